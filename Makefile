@@ -1,0 +1,62 @@
+# lmpipe: `make demo` and `make test` work on a fresh machine (set-up included).
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export RAY_USAGE_STATS_ENABLED := 0
+export HF_HUB_OFFLINE := 1
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
+export RAY_AUTH_MODE := token
+
+.PHONY: setup demo test test-fast test-gpu lint fmt typecheck check bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned exactly: on its own a range would pull the newest CUDA build (several GB).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $@
+
+# Guards of the install: no CUDA wheels dragged in, no broken requirements.
+check-install: $(STAMP)
+	@if $(BIN)/pip list 2>/dev/null | grep -i '^nvidia-'; then \
+	  echo "error: nvidia-* packages installed: something pulled a CUDA torch"; exit 1; fi
+	$(BIN)/pip check
+
+demo: $(STAMP)
+	$(BIN)/lmpipe demo-corpus --out workspace/demo_data
+	PREFECT_HOME=$(CURDIR)/workspace/.prefect $(BIN)/lmpipe run configs/demo.yaml
+	@echo "MLflow UI:  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/workspace/mlflow.db"
+	@echo "Prefect UI: PREFECT_HOME=$(CURDIR)/workspace/.prefect $(BIN)/prefect server start"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: check-install lint typecheck
+	$(BIN)/pytest
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -m "not slow and not integration" -q
+
+test-gpu: $(STAMP)
+	$(BIN)/pytest -m gpu
+
+check: test
+
+bench: $(STAMP)
+	$(BIN)/python bench/ingest_throughput.py
+
+clean:
+	rm -rf workspace .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,126 @@
+"""The root `RunConfig` and `load_config`: one YAML recipe plus dotted command-line overrides.
+
+Each section's model lives next to the code that owns it; this module only composes them, loads
+YAML, applies overrides and turns validation errors into messages that name the key, the value
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from tasks.ingest import IngestConfig
+from tasks.ray_runtime import RayConfig
+from training.tracking import TrackingConfig
+
+
+class PrefectConfig(BaseModel):
+    """Which Prefect API flows report to; None means the ephemeral local API."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    api_url: str | None = Field(None, description="e.g. http://127.0.0.1:4200/api")
+    api_key: SecretStr | None = Field(None, description="Prefect Cloud API key (never logged).")
+
+
+class RunConfig(BaseModel):
+    """Everything one lmpipe run needs; the single root of the configuration."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str = Field("lmpipe", description="Run name: used in MLflow run names and paths.")
+    workspace: Path = Field(Path("workspace"), description="Directory that holds every output.")
+    seed: int = Field(0, ge=0, description="Run seed for everything random downstream.")
+    ray: RayConfig = Field(default_factory=RayConfig)
+    prefect: PrefectConfig = Field(default_factory=PrefectConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    ingest: IngestConfig
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", value):
+            raise ValueError(f"{value!r} must be 1-100 letters, digits, '_', '.' or '-'")
+        return value
+
+
+class ConfigError(ValueError):
+    """The config file or an override is invalid; the message names the key and the value."""
+
+
+def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML recipe, apply `a.b=value` overrides (values parsed as YAML) and validate.
+
+    Relative paths in the recipe stay relative to the current directory, like the CLI's.
+
+    Raises:
+        ConfigError: unreadable YAML, a malformed override, or any invalid key or value.
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for override in overrides:
+        _apply_override(data, override)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, str(path))) from None
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    key, sep, raw = override.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[\w]+)*", key):
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {override!r}: value is not valid YAML: {exc}") from exc
+    node: Any = data
+    parts = key.split(".")
+    for depth, part in enumerate(parts[:-1]):
+        node = _child(node, part, ".".join(parts[: depth + 1]))
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_index(node, last, key)] = value
+    else:
+        node[last] = value
+
+
+def _child(node: Any, part: str, where: str) -> Any:
+    if isinstance(node, list):
+        return node[_index(node, part, where)]
+    if not isinstance(node, dict):
+        raise ConfigError(f"override key {where!r}: {type(node).__name__} has no keys")
+    return node.setdefault(part, {})
+
+
+def _index(node: list[Any], part: str, where: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"override key {where!r}: index {part!r} is not in 0..{len(node) - 1}")
+    return int(part)
+
+
+def format_validation_error(exc: ValidationError, origin: str) -> str:
+    """Render each pydantic error as `origin: key.path = value: what is allowed`."""
+    lines = [f"{origin}: invalid configuration ({exc.error_count()} error(s))"]
+    for error in exc.errors():
+        key = ".".join(str(p) for p in error["loc"]) or "<root>"
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = "unknown key (misspelled?); see `lmpipe <command> --help` for valid keys"
+        elif error["type"] == "literal_error":
+            message = f"must be one of {error.get('ctx', {}).get('expected', '')}"
+        shown = "<missing>" if error["type"] == "missing" else repr(error.get("input"))
+        if "password" in key or "api_key" in key or "storage_options" in key:
+            shown = "<hidden>"
+        lines.append(f"  {key} = {shown[:120]}: {message}")
+    return "\n".join(lines)

@@ -1,0 +1,278 @@
+"""Ingestion: raw corpus files → cleaned, deduplicated, split Arrow shards and a manifest.
+
+The pure core is `prepare_documents` (raw text table → cleaned, filtered, hashed documents).
+`process_unit` and `write_shard` are the Ray task bodies; `tasks.ingest_run` drives them and
+`ingest_task` is the Prefect wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tasks import schema
+from tasks.dedup import HASH_HI, HASH_LO, MINHASH, DedupConfig, content_hashes, minhash_signatures
+from tasks.io import atomic_writer, read_ipc_stream, write_json_atomic
+from tasks.readers import RawBatch, read_unit
+from tasks.sources import SourceConfig, WorkUnit
+from tasks.text import CleanConfig, SentenceConfig, clean_texts, resolve_splitter, split_sentences
+
+SPLITS = ("train", "validation", "test")
+
+
+class SplitConfig(BaseModel):
+    """Document-level split, assigned by the document's content hash (stable as data grows)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    validation: float = Field(0.01, ge=0, lt=1, description="Fraction of documents held out.")
+    test: float = Field(0.01, ge=0, lt=1, description="Fraction of documents for the test split.")
+
+    @model_validator(mode="after")
+    def _leaves_training_data(self) -> SplitConfig:
+        if self.validation + self.test >= 1:
+            raise ValueError(f"validation + test = {self.validation + self.test} must be < 1")
+        return self
+
+
+class IngestConfig(BaseModel):
+    """Everything the ingestion stage does, from which files to the shard size."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    sources: list[SourceConfig] = Field(min_length=1, description="Inputs of the corpus.")
+    clean: CleanConfig = Field(default_factory=CleanConfig)
+    sentences: SentenceConfig = Field(default_factory=SentenceConfig)
+    min_chars: int = Field(1, ge=0, description="Drop documents shorter than this (characters).")
+    max_chars: int = Field(
+        1_000_000, ge=1, description="Drop documents longer than this (characters)."
+    )
+    max_record_bytes: int = Field(
+        16 << 20,
+        ge=1024,
+        description="Quarantine raw records larger than this (bytes); bounds "
+        "memory whatever the input.",
+    )
+    dedup: DedupConfig = Field(default_factory=DedupConfig)
+    split: SplitConfig = Field(default_factory=SplitConfig)
+    shard_size_mb: float = Field(
+        64, ge=0.001, le=4096, description="Target shard size in MiB of text (and sentences)."
+    )
+    unit_size_mb: float = Field(
+        32, ge=0.001, le=4096, description="Input bytes per parallel work unit."
+    )
+    incremental: bool = Field(
+        True, description="Reuse a previous ingest whose inputs are a subset of these."
+    )
+
+    @model_validator(mode="after")
+    def _distinct_sources(self) -> IngestConfig:
+        names = [source.display_name() for source in self.sources]
+        dupes = sorted({name for name in names if names.count(name) > 1})
+        if dupes:
+            raise ValueError(f"source names must be distinct; repeated: {dupes} (set 'name')")
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"min_chars={self.min_chars} exceeds max_chars={self.max_chars}")
+        return self
+
+
+RAW = pa.schema(
+    [(schema.OFFSET, pa.int64()), (schema.LINE, pa.int64()), (schema.TEXT, pa.large_string())]
+)
+
+
+def prepare_documents(raw: pa.Table, cfg: IngestConfig) -> tuple[pa.Table, Counter[str]]:
+    """Clean, filter, split into sentences and hash raw documents.
+
+    Returns the kept documents (offset, line, text, sentences, hash_hi, hash_lo, and a MinHash
+    signature when near dedup is on) and the count of filtered documents per reason.
+    """
+    schema.require_columns(raw, schema.OFFSET, schema.LINE, schema.TEXT)
+    text = clean_texts(raw.column(schema.TEXT).combine_chunks(), cfg.clean)
+    length = pc.utf8_length(text)
+    reasons = pc.case_when(
+        pc.make_struct(
+            pc.equal(length, 0), pc.less(length, cfg.min_chars), pc.greater(length, cfg.max_chars)
+        ),
+        "empty",
+        "too_short",
+        "too_long",
+    )
+    filtered: Counter[str] = Counter(
+        {r["values"]: r["counts"] for r in pc.value_counts(reasons.drop_null()).to_pylist()}
+    )
+    keep = pc.is_null(reasons)
+    text = pc.filter(text, keep)
+    sentences = split_sentences(text, resolve_splitter(cfg.sentences))
+    hi, lo = content_hashes(text)
+    columns = {
+        schema.OFFSET: pc.filter(raw.column(schema.OFFSET), keep),
+        schema.LINE: pc.filter(raw.column(schema.LINE), keep),
+        schema.TEXT: text.cast(pa.large_string()),
+        schema.SENTENCES: sentences,
+        HASH_HI: pa.array(hi),
+        HASH_LO: pa.array(lo),
+    }
+    if cfg.dedup.near.enabled:
+        columns[MINHASH] = minhash_signatures(text, cfg.dedup.near)
+    return pa.table(columns), filtered
+
+
+@dataclass(frozen=True)
+class UnitJob:
+    """What one Ray task needs to process one work unit."""
+
+    unit: WorkUnit
+    cfg: IngestConfig
+    staging: str
+    storage: dict[str, str]
+
+
+def _raw_table(batch: RawBatch) -> pa.Table:
+    return pa.table(
+        [
+            pa.array(batch.offsets, pa.int64()),
+            pa.array(batch.lines, pa.int64()),
+            pa.array(batch.texts, pa.large_string()),
+        ],
+        schema=RAW,
+    )
+
+
+def _quarantine_table(batch: RawBatch, unit: WorkUnit) -> pa.Table:
+    n = len(batch.bad)
+    return pa.table(
+        {
+            schema.SOURCE: pa.array([unit.file.source] * n, pa.string()),
+            schema.SOURCE_FILE: pa.array([unit.file.rel] * n, pa.string()),
+            schema.OFFSET: pa.array([r.offset for r in batch.bad], pa.int64()),
+            schema.LINE: pa.array([r.line for r in batch.bad], pa.int64()),
+            schema.REASON: pa.array([r.reason or "" for r in batch.bad], pa.string()),
+            schema.DETAIL: pa.array([r.detail for r in batch.bad], pa.string()),
+            schema.EXCERPT: pa.array([r.excerpt for r in batch.bad], pa.binary()),
+        },
+        schema=schema.QUARANTINE,
+    )
+
+
+def process_unit(job: UnitJob) -> dict[str, Any]:
+    """Read, clean, filter and hash one work unit into staging files; return its summary.
+
+    The summary JSON is written last, so a unit with a summary is complete and a rerun after a
+    crash reuses it instead of reading the input again.
+    """
+    unit, cfg = job.unit, job.cfg
+    stem = Path(job.staging) / f"unit-{unit.index:06d}"
+    summary_path = stem.with_suffix(".json")
+    if summary_path.exists():
+        return json.loads(summary_path.read_text())  # type: ignore[no-any-return]
+    filtered: Counter[str] = Counter()
+    quarantined: Counter[str] = Counter()
+    read = kept = newlines = 0
+    doc_schema = None
+    with (
+        atomic_writer(stem.with_suffix(".docs.arrow")) as docs_out,
+        atomic_writer(stem.with_suffix(".bad.arrow")) as bad_out,
+    ):
+        bad_writer = pa.ipc.new_stream(bad_out, schema.QUARANTINE)
+        doc_writer = None
+        for batch in read_unit(
+            unit, _txt_mode(cfg, unit), _text_field(cfg, unit), cfg.max_record_bytes, job.storage
+        ):
+            docs, dropped = prepare_documents(_raw_table(batch), cfg)
+            if doc_writer is None:
+                doc_schema = docs.schema
+                doc_writer = pa.ipc.new_stream(docs_out, doc_schema)
+            doc_writer.write_table(docs)
+            bad_writer.write_table(_quarantine_table(batch, unit))
+            read += len(batch.texts) + len(batch.bad)
+            kept += docs.num_rows
+            filtered.update(dropped)
+            quarantined.update(r.reason or "" for r in batch.bad)
+            newlines = max(newlines, batch.next_line - 1)
+        if doc_writer is None:
+            empty, _ = prepare_documents(RAW.empty_table(), cfg)
+            doc_writer = pa.ipc.new_stream(docs_out, empty.schema)
+        doc_writer.close()
+        bad_writer.close()
+    summary = {
+        "index": unit.index,
+        "read": read,
+        "kept": kept,
+        "newlines": newlines,
+        "filtered": dict(filtered),
+        "quarantined": dict(quarantined),
+    }
+    write_json_atomic(summary_path, summary)
+    return summary
+
+
+def _source_of(cfg: IngestConfig, unit: WorkUnit) -> SourceConfig:
+    return next(s for s in cfg.sources if s.display_name() == unit.file.source)
+
+
+def _txt_mode(cfg: IngestConfig, unit: WorkUnit) -> str:
+    return _source_of(cfg, unit).txt_mode
+
+
+def _text_field(cfg: IngestConfig, unit: WorkUnit) -> str:
+    return _source_of(cfg, unit).text_field
+
+
+def assign_split(hash_hi: np.ndarray, cfg: SplitConfig) -> np.ndarray:
+    """Map each document's content hash to 0 (train), 1 (validation) or 2 (test)."""
+    u = hash_hi.astype(np.float64) / 2.0**64
+    return np.where(u < cfg.validation, 1, np.where(u < cfg.validation + cfg.test, 2, 0))
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """One output shard: rows (per unit) taken from staging, and where to write them."""
+
+    path: str
+    staging: str
+    parts: tuple[tuple[int, str, str, int, np.ndarray], ...]  # unit, source, file, line base, rows
+
+
+def write_shard(job: ShardJob) -> dict[str, Any]:
+    """Assemble one shard from staged units and write it atomically; return rows and bytes."""
+    tables = []
+    for unit_index, source, file, line_base, rows in job.parts:
+        staged = read_ipc_stream(Path(job.staging) / f"unit-{unit_index:06d}.docs.arrow")
+        part = staged.take(pa.array(rows))
+        n = part.num_rows
+        doc_id = [
+            f"{(int(h) << 64) | int(low):032x}"
+            for h, low in zip(
+                part.column(HASH_HI).to_pylist(), part.column(HASH_LO).to_pylist(), strict=True
+            )
+        ]
+        tables.append(
+            pa.table(
+                {
+                    schema.DOC_ID: pa.array(doc_id, pa.string()),
+                    schema.SOURCE: pa.array([source] * n, pa.string()),
+                    schema.SOURCE_FILE: pa.array([file] * n, pa.string()),
+                    schema.OFFSET: part.column(schema.OFFSET),
+                    schema.LINE: pc.add(part.column(schema.LINE), line_base),
+                    schema.TEXT: part.column(schema.TEXT),
+                    schema.SENTENCES: part.column(schema.SENTENCES),
+                },
+                schema=schema.DOCUMENTS,
+            )
+        )
+    table = pa.concat_tables(tables).combine_chunks()
+    from tasks.io import sha256_file, write_ipc_stream
+
+    write_ipc_stream(table, Path(job.path))
+    return {
+        "rows": table.num_rows,
+        "bytes": Path(job.path).stat().st_size,
+        "sha256": sha256_file(Path(job.path)),
+    }

@@ -1,0 +1,191 @@
+"""Side-effecting helpers shared by the stages: safe paths, atomic writes, shards, fingerprints.
+
+Everything that touches the file system for a stage goes through here, so that the rules hold in
+one place: a file appears under its final name only complete (temp name, fsync, rename), a name
+taken from config or data never escapes its root, and a stage output is addressed by a fingerprint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import subprocess
+import unicodedata
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from functools import cache, lru_cache
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow as pa
+
+_READ_CHUNK = 1 << 20
+
+
+class UnsafePathError(ValueError):
+    """A name would resolve outside the directory it must stay in."""
+
+
+def safe_name(name: str, *, what: str = "name") -> str:
+    """Return `name` if it is a safe relative path inside a root, else raise `UnsafePathError`.
+
+    Refuses empty names, absolute paths, drive letters, backslashes, NUL bytes, `..` segments and
+    their URL-encoded or Unicode-compatibility variants (`%2e%2e`, fullwidth dots).
+    """
+    if not name or "\x00" in name:
+        raise UnsafePathError(f"{what} {name!r} is empty or contains a NUL byte")
+    # Decode repeatedly so that double-encoded traversal (%252e%252e) is caught too.
+    decoded = name
+    for _ in range(4):
+        nxt = urllib.parse.unquote(decoded)
+        if nxt == decoded:
+            break
+        decoded = nxt
+    for candidate in (name, decoded, unicodedata.normalize("NFKC", decoded)):
+        if (
+            "\\" in candidate
+            or candidate.startswith(("/", "~"))
+            or re.match(r"^[A-Za-z]:", candidate)
+        ):
+            raise UnsafePathError(f"{what} {name!r} must be a relative path inside the workspace")
+        if any(part in ("..", ".") or part == "" for part in candidate.split("/")):
+            raise UnsafePathError(f"{what} {name!r} contains '..', '.' or an empty path segment")
+    return name
+
+
+def safe_join(root: Path, name: str, *, what: str = "name") -> Path:
+    """Join a checked relative `name` to `root` and verify the result stays under `root`."""
+    path = (root / safe_name(name, what=what)).resolve()
+    if not path.is_relative_to(root.resolve()):
+        raise UnsafePathError(f"{what} {name!r} resolves outside {root}")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temp file beside `path`; on success fsync it and rename it to `path`.
+
+    A crash at any moment leaves either no file or the complete file under `path`; leftover temp
+    files carry a `.tmp-` infix and are never read as outputs.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, mode) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write `obj` as pretty, key-sorted JSON to `path` atomically."""
+    with atomic_writer(path, "w") as handle:
+        json.dump(obj, handle, indent=2, sort_keys=True, ensure_ascii=False)
+        handle.write("\n")
+
+
+def write_ipc_stream(table: pa.Table, path: Path) -> None:
+    """Write `table` to `path` in the Arrow IPC stream format, atomically.
+
+    The stream format is what `datasets.Dataset.from_file` reads; pyarrow memory-maps it.
+    """
+    with atomic_writer(path) as handle, pa.ipc.new_stream(handle, table.schema) as writer:
+        writer.write_table(table)
+
+
+def read_ipc_stream(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """Read an Arrow IPC stream file by memory map (zero-copy), optionally a subset of columns."""
+    with pa.memory_map(str(path)) as source:
+        table = pa.ipc.open_stream(source).read_all()
+    return table.select(columns) if columns is not None else table
+
+
+def sha256_file(path: Path) -> str:
+    """Return the hex sha256 of the file at `path`, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_READ_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fingerprint(obj: Any, length: int = 16) -> str:
+    """Return a stable hex digest of a JSON-serialisable object (keys sorted)."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:length]
+
+
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+@cache
+def source_hash(*packages: str) -> str:
+    """Hash the `.py` sources of the named top-level packages (path and bytes, sorted).
+
+    This is the part of the code version that output fingerprints use: it is the same in a git
+    checkout and in an installed package, and it changes exactly when the code that runs changes.
+    """
+    digest = hashlib.sha256()
+    for package in sorted(packages):
+        for file in sorted((_PACKAGE_ROOT / package).rglob("*.py")):
+            digest.update(file.relative_to(_PACKAGE_ROOT).as_posix().encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@lru_cache(maxsize=1)
+def git_commit() -> str | None:
+    """Return the git commit of the checkout lmpipe runs from, `+dirty` if modified, or None."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(_PACKAGE_ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(_PACKAGE_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}+dirty" if dirty else head
+
+
+def code_version(*packages: str) -> dict[str, str | None]:
+    """Return the code version: the git commit when there is one, and the sources' hash."""
+    return {"git_commit": git_commit(), "source_hash": source_hash(*packages)}
+
+
+def public_dump(value: Any) -> Any:
+    """Dump a pydantic model (or nested data) to JSON-able data with every secret left out.
+
+    `SecretStr`/`SecretBytes` fields are dropped; a dict of secrets keeps only its key names, so
+    a reader can see *which* credentials were set but never their values.
+    """
+    from pydantic import BaseModel, SecretBytes, SecretStr
+
+    secret = (SecretStr, SecretBytes)
+    if isinstance(value, BaseModel):
+        value = {name: getattr(value, name) for name in type(value).model_fields}
+    if isinstance(value, dict):
+        if value and all(isinstance(v, secret) for v in value.values()):
+            return sorted(value)
+        return {k: public_dump(v) for k, v in value.items() if not isinstance(v, secret)}
+    if isinstance(value, list | tuple):
+        return [public_dump(v) for v in value if not isinstance(v, secret)]
+    if isinstance(value, Path):
+        return str(value)
+    return value

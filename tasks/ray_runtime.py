@@ -1,0 +1,97 @@
+"""How stage work reaches Ray: plain Ray tasks over work units, a bounded number in flight.
+
+One Prefect task per stage drives these Ray tasks from its process (the driver). A local Ray is
+started on first use, bound to 127.0.0.1 and sized so its own tasks never starve (STACK_NOTES
+§0.4); with `ray.address` set, the same code runs on a cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RayConfig(BaseModel):
+    """Where Ray runs and how much of it the data stages use."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    address: str | None = Field(
+        None,
+        description="Cluster address ('ray://host:10001' or 'host:6379'); None starts a local Ray.",
+    )
+    num_workers: int = Field(
+        2, ge=1, le=4096, description="Ray tasks a data stage keeps in flight at once."
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="Logical CPUs of a local Ray; default num_workers + 2."
+    )
+    object_store_mb: int = Field(
+        256, ge=80, description="Object store size of a local Ray, in MiB."
+    )
+
+
+def ensure_ray(cfg: RayConfig) -> None:
+    """Connect to the configured Ray cluster, or start a local one, unless already connected."""
+    if ray.is_initialized():
+        return
+    # Workers inherit these: one thread each keeps 2-core machines from oversubscribing.
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    runtime_env = {"env_vars": env}
+    if cfg.address:
+        ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=False)
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=cfg.num_cpus or cfg.num_workers + 2,
+        object_store_memory=cfg.object_store_mb << 20,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env=runtime_env,
+        log_to_driver=False,
+    )
+
+
+def map_bounded(
+    fn: Callable[..., T],
+    items: Sequence[Any],
+    max_in_flight: int,
+    on_done: Callable[[int, T], None] | None = None,
+) -> list[T]:
+    """Run `fn(item)` as Ray tasks, at most `max_in_flight` at once; results in input order.
+
+    The first task error is re-raised after the others in flight are cancelled.
+    """
+    remote = ray.remote(num_cpus=1, max_retries=2)(fn)
+    results: dict[int, T] = {}
+    pending: dict[Any, int] = {}
+    queue: Iterator[tuple[int, Any]] = iter(enumerate(items))
+    try:
+        for index, item in queue:
+            pending[remote.remote(item)] = index
+            if len(pending) >= max_in_flight:
+                _collect_one(pending, results, on_done)
+        while pending:
+            _collect_one(pending, results, on_done)
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        raise
+    return [results[i] for i in range(len(items))]
+
+
+def _collect_one(
+    pending: dict[Any, int], results: dict[int, T], on_done: Callable[[int, T], None] | None
+) -> None:
+    done, _ = ray.wait(list(pending), num_returns=1)
+    index = pending.pop(done[0])
+    results[index] = ray.get(done[0])
+    if on_done is not None:
+        on_done(index, results[index])

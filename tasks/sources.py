@@ -1,0 +1,267 @@
+"""Input discovery, work-unit planning and streaming record readers for ingestion.
+
+A *source* is a configured path (file, directory, glob or fsspec URI). It expands to files, each
+cut into *work units* (a byte range of an uncompressed text file, a whole compressed file, a
+Parquet row group, an Arrow file of a saved dataset) that a Ray task reads independently. Readers
+yield `RawRecord`s and never raise on bad data: a bad record comes back with a quarantine reason.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import lzma
+import re
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import IO, Any, Literal
+
+import fsspec
+import zstandard
+from fsspec.core import url_to_fs
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+Format = Literal["auto", "txt", "jsonl", "json", "csv", "tsv", "parquet", "hf_disk"]
+TxtMode = Literal["line", "block", "file"]
+
+_COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
+_SUFFIX_FORMATS = {
+    ".txt": "txt",
+    ".text": "txt",
+    ".md": "txt",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "json",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".parquet": "parquet",
+}
+_BLOCK = 8 << 20  # bytes read per step of a streaming reader
+_SNIFF = 8192
+
+
+class SourceConfig(BaseModel):
+    """One input of the corpus: where it is, how to read it, and its mixture weight."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    path: str = Field(description="File, directory, glob or fsspec URI (s3://..., gs://...).")
+    name: str | None = Field(
+        None, description="Source name recorded per document; defaults to the path's stem."
+    )
+    format: Format = Field("auto", description="Input format; 'auto' infers it from the suffix.")
+    txt_mode: TxtMode = Field(
+        "block",
+        description="For .txt: a document per 'line', per blank-line-separated 'block', or per "
+        "'file'.",
+    )
+    text_field: str = Field("text", description="JSON key or CSV/Parquet/dataset column of text.")
+    weight: float = Field(1.0, gt=0, description="Relative sampling weight of this source.")
+    storage_options: dict[str, SecretStr] = Field(
+        default_factory=dict, description="fsspec options (credentials) for remote paths."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", value):
+            raise ValueError(f"{value!r} must be 1-64 letters, digits, '_', '.' or '-'")
+        return value
+
+    def fs_options(self) -> dict[str, str]:
+        """Return the storage options with their secret values revealed, for fsspec only."""
+        return {key: value.get_secret_value() for key, value in self.storage_options.items()}
+
+    def display_name(self) -> str:
+        """Return `name`, or a sanitised stem of `path`."""
+        if self.name:
+            return self.name
+        stem = PurePosixPath(self.path.rstrip("/*")).name or "source"
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", stem)[:64].lstrip("._-") or "source"
+
+
+class InputError(ValueError):
+    """An input path is missing, unreadable or does not match its configured format."""
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """A resolved input file: its URI, its name relative to the source, format and compression."""
+
+    source: str
+    uri: str
+    rel: str
+    format: str
+    compression: str | None
+    size: int
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """An independently readable slice of one input file. `index` orders units globally."""
+
+    index: int
+    file: InputFile
+    start: int  # byte offset (splittable text) or first row group / arrow file index
+    end: int  # exclusive; -1 means to the end of the file
+    binary: bool = False
+
+
+@dataclass
+class RawRecord:
+    """One record as read: its location, its text (or None) and a quarantine reason if bad."""
+
+    offset: int
+    line: int | None
+    text: str | None
+    reason: str | None = None
+    detail: str = ""
+    excerpt: bytes = b""
+
+
+def _split_compression(name: str) -> tuple[str, str | None]:
+    for suffix, compression in _COMPRESSIONS.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)], compression
+    return name, None
+
+
+def _infer_format(source: SourceConfig, name: str) -> str | None:
+    if source.format != "auto":
+        return source.format
+    bare, _ = _split_compression(name.lower())
+    return _SUFFIX_FORMATS.get(PurePosixPath(bare).suffix)
+
+
+def _is_hf_disk(fs: Any, path: str) -> bool:
+    return bool(fs.isdir(path)) and (
+        fs.exists(f"{path}/state.json") or fs.exists(f"{path}/dataset_dict.json")
+    )
+
+
+def expand_source(source: SourceConfig, index: int) -> list[InputFile]:
+    """Resolve a source into its input files, sorted by path.
+
+    Raises:
+        InputError: the path matches nothing, a file is unreadable, or no file has a known format.
+    """
+    where = f"ingest.sources[{index}].path"
+    fs, root = url_to_fs(source.path, **source.fs_options())
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    unstrip = (lambda p: p) if protocol in ("file", "local") else (lambda p: f"{protocol}://{p}")
+    if source.format == "hf_disk" or (source.format == "auto" and _is_hf_disk(fs, root)):
+        return [_input(source, fs, unstrip(root), PurePosixPath(root).name, "hf_disk")]
+    if any(ch in source.path for ch in "*?["):
+        paths = sorted(p for p in fs.glob(root) if fs.isfile(p))
+        base = root.split("*")[0].rsplit("/", 1)[0]
+    elif fs.isdir(root):
+        paths = sorted(fs.find(root))
+        base = root
+    elif fs.isfile(root):
+        paths, base = [root], str(PurePosixPath(root).parent)
+    else:
+        raise InputError(f"{where}: {source.path!r} does not exist")
+    files = []
+    for path in paths:
+        fmt = _infer_format(source, path)
+        if fmt is None:
+            continue  # a directory may hold READMEs, licenses and the like in unknown formats
+        rel = (
+            str(PurePosixPath(path).relative_to(base)) if path != base else PurePosixPath(path).name
+        )
+        files.append(_input(source, fs, unstrip(path), rel, fmt))
+    if not files:
+        raise InputError(f"{where}: {source.path!r} matches no file of a known format")
+    return files
+
+
+def _input(source: SourceConfig, fs: Any, uri: str, rel: str, fmt: str) -> InputFile:
+    try:
+        if fmt != "hf_disk":
+            with fsspec.open(uri, "rb", **source.fs_options()) as handle:
+                handle.read(1)
+        size = int(fs.du(uri) if fmt == "hf_disk" else fs.size(uri))
+    except OSError as exc:
+        raise InputError(f"input file {uri!r} cannot be read: {exc}") from exc
+    _, compression = _split_compression(uri.lower())
+    return InputFile(source.display_name(), uri, rel, fmt, compression, size)
+
+
+def open_stream(file: InputFile, storage: dict[str, str]) -> IO[bytes]:
+    """Open `file` for reading decompressed bytes (gzip, bz2, xz or zstd inferred by suffix)."""
+    raw = fsspec.open(file.uri, "rb", **storage).open()
+    if file.compression == "gzip":
+        return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
+    if file.compression == "bz2":
+        return bz2.BZ2File(raw)
+    if file.compression == "xz":
+        return lzma.LZMAFile(raw)
+    if file.compression == "zstd":
+        return _ZstdStream(raw)  # type: ignore[return-value]
+    return raw  # type: ignore[no-any-return]
+
+
+class _ZstdStream:
+    """A zstd reader that raises EOFError on a truncated frame (zstandard returns short data)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self._obj = zstandard.ZstdDecompressor().decompressobj()
+        self._eof = False
+
+    def read(self, size: int = -1) -> bytes:
+        out = bytearray()
+        while not self._eof and (size < 0 or len(out) < size):
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                self._eof = True
+                if not self._obj.eof:
+                    raise EOFError("zstd stream ended before the end of its frame")
+                break
+            out += self._obj.decompress(chunk)
+            if self._obj.eof:  # a file may hold several frames
+                rest = self._obj.unused_data
+                self._obj = zstandard.ZstdDecompressor().decompressobj()
+                if rest:
+                    out += self._obj.decompress(rest)
+        return bytes(out)
+
+    def seek(self, offset: int) -> None:
+        self._raw.seek(offset)
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self) -> _ZstdStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def looks_binary(head: bytes) -> bool:
+    """Return True if a file head is binary: NUL-heavy or mostly non-text control bytes."""
+    if not head:
+        return False
+    nul = head.count(0)
+    controls = sum(1 for b in head if b < 9 or 13 < b < 32)
+    return nul > len(head) // 100 or controls > len(head) // 10
+
+
+def arrow_files(dataset_dir: str) -> list[str]:
+    """List the Arrow files of a dataset saved with `datasets.save_to_disk`, in order.
+
+    A `DatasetDict` directory yields the files of every split, split by split in the order of
+    its `dataset_dict.json`.
+    """
+    root = PurePosixPath(dataset_dir)
+    dict_file = root / "dataset_dict.json"
+    try:
+        with open(dict_file) as handle:
+            splits = json.load(handle)["splits"]
+        return [f for split in splits for f in arrow_files(str(root / split))]
+    except FileNotFoundError:
+        pass
+    with open(root / "state.json") as handle:
+        state = json.load(handle)
+    return [str(root / entry["filename"]) for entry in state["_data_files"]]

@@ -1,0 +1,1 @@
+"""Models, objectives, the Ray Train + DeepSpeed loops, fine-tuning and tracking."""
