@@ -63,11 +63,11 @@ def plan_units(
     units: list[WorkUnit] = []
     for file in files:
         opts = storage[file.source]
-        with open_stream(file, opts) as stream:
-            try:
-                binary = looks_binary(stream.read(8192))
-            except _DECOMPRESS_ERRORS:
-                binary = False  # the reader reports the truncation with its location
+        binary = False
+        if file.format in ("txt", "jsonl", "json", "csv", "tsv"):
+            with open_stream(file, opts) as stream:
+                head, _ = _read_block(stream, 8192)  # a truncation is reported by the reader
+            binary = looks_binary(head)
         sep = _delimiter(file, txt_mode)
         if binary or sep is None or file.compression or file.size <= unit_bytes:
             ranges = _tabular_ranges(file, unit_bytes, opts) if not binary else [(0, -1)]
@@ -163,6 +163,26 @@ class _Oversize:
     excerpt: bytes
 
 
+def _read_block(stream: IO[bytes], want: int) -> tuple[bytes, BaseException | None]:
+    """Read up to `want` bytes in 1 MiB pieces; on a decompression error return what was read.
+
+    Reading in pieces matters for compressed input: an error inside one large `read()` would
+    lose everything that call had decompressed.
+    """
+    parts: list[bytes] = []
+    got = 0
+    while got < want:
+        try:
+            piece = stream.read(min(1 << 20, want - got))
+        except _DECOMPRESS_ERRORS as exc:
+            return b"".join(parts), exc
+        if not piece:
+            break
+        parts.append(piece)
+        got += len(piece)
+    return b"".join(parts), None
+
+
 def _read_delimited(
     stream: IO[bytes],
     unit: WorkUnit,
@@ -170,69 +190,91 @@ def _read_delimited(
     limit: int,
     json_field: str | None,
 ) -> Iterator[RawBatch]:
-    """Split a byte stream into records at `sep` (None: the whole unit is one record)."""
+    """Split a byte stream into records at `sep` (None: the whole unit is one record).
+
+    `base` is the absolute offset of `buf[0]`; `line` the line number at `buf[0]`. A record
+    longer than `limit` is skipped to its end, keeping only its start and a small tail.
+    """
     remaining = unit.end - unit.start if unit.end >= 0 else -1
-    buf, base, line = b"", unit.start, 1
+    buf, base, line, total = b"", unit.start, 1, 0
     big: _Oversize | None = None
-    eof, total = False, 0
-    while not eof:
+    while True:
         batch = RawBatch()
-        try:
-            chunk = stream.read(_BLOCK if remaining < 0 else min(_BLOCK, remaining - total))
-        except _DECOMPRESS_ERRORS as exc:
-            reason = "truncated_compressed" if isinstance(exc, EOFError) else "corrupt_compressed"
-            where = base + len(buf) if big is None else big.offset
-            batch.add_bad(where, line, reason, f"{type(exc).__name__}: {exc}", buf)
-            yield batch
-            return
+        want = _BLOCK if remaining < 0 else min(_BLOCK, remaining - total)
+        chunk, error = _read_block(stream, want) if want > 0 else (b"", None)
         total += len(chunk)
-        eof = not chunk or (remaining >= 0 and total >= remaining)
-        if total == 0 and eof and unit.start == 0:
+        eof = error is not None or not chunk or (remaining >= 0 and total >= remaining)
+        if total == 0 and eof and error is None and unit.start == 0:
             batch.add_bad(0, None, "empty_file", "the file has no bytes", b"")
             yield batch
             return
-        data = buf + chunk
+        data, pos = buf + chunk, 0
         if big is not None:  # skip an oversize record up to its end
             match = sep.search(data) if sep else None
             if match is None and not eof:
-                big.size += len(data) - 4096 if len(data) > 4096 else 0
-                buf = data[-4096:] if len(data) > 4096 else data
+                keep = max(len(data) - 4096, 0)
+                big.size += keep
+                line += data.count(b"\n", 0, keep)
+                base, buf = base + keep, data[keep:]
+                batch.next_line = line
+                yield batch
                 continue
-            stop = match.start() if match else len(data)
+            stop, pos = (match.start(), match.end()) if match else (len(data), len(data))
             detail = f"record of {big.size + stop} bytes exceeds max_record_bytes={limit}"
             batch.add_bad(big.offset, big.line, "record_too_large", detail, big.excerpt)
-            line += data.count(b"\n", 0, match.end() if match else len(data))
-            base += match.end() if match else len(data)
-            data, big = (data[match.end() :] if match else b""), None
-        pos = 0
+            line += data.count(b"\n", 0, pos)
+            big = None
         if sep is not None:
-            for match in sep.finditer(data):
+            for match in sep.finditer(data, pos):
                 if not eof and match.end() == len(data):
                     break  # the separator may continue in the next block
-                _emit(batch, data[pos : match.start()], base + pos, line, json_field)
+                _emit_bounded(batch, data[pos : match.start()], base + pos, line, json_field, limit)
                 line += data.count(b"\n", pos, match.end())
                 pos = match.end()
         rest = data[pos:]
         if eof:
-            _emit(batch, rest, base + pos, line, json_field)
-            buf = b""
-        elif len(rest) > limit:
-            big = _Oversize(base + pos, line, len(rest), rest[:_EXCERPT])
-            line += rest.count(b"\n")
-            buf = rest[-4096:]
-            big.size -= len(buf)
+            if error is None:
+                _emit_bounded(batch, rest, base + pos, line, json_field, limit)
+            else:  # the partial record at the break, and the fact of the break, are kept
+                reason = (
+                    "truncated_compressed" if isinstance(error, EOFError) else "corrupt_compressed"
+                )
+                batch.add_bad(base + pos, line, reason, f"{type(error).__name__}: {error}", rest)
+            batch.next_line = line
+            yield batch
+            return
+        if len(rest) > limit:
+            keep = len(rest) - 4096
+            big = _Oversize(base + pos, line, keep, rest[:_EXCERPT])
+            line += rest.count(b"\n", 0, keep)
+            base, buf = base + pos + keep, rest[keep:]
         else:
-            buf = rest
-        base += pos
+            base, buf = base + pos, rest
         batch.next_line = line
         yield batch
 
 
-def _emit(
-    batch: RawBatch, raw: bytes, offset: int, line: int | None, json_field: str | None
+def _emit_bounded(
+    batch: RawBatch, raw: bytes, offset: int, line: int, json_field: str | None, limit: int
 ) -> None:
-    if not raw.strip():
-        return  # blank lines separate records; they are not records
+    if len(raw) > limit:
+        detail = f"record of {len(raw)} bytes exceeds max_record_bytes={limit}"
+        batch.add_bad(offset, line, "record_too_large", detail, raw)
+    else:
+        _emit(batch, raw, offset, line, json_field)
+
+
+def _emit(
+    batch: RawBatch,
+    raw: bytes,
+    offset: int,
+    line: int | None,
+    json_field: str | None,
+    *,
+    blank_is_record: bool = False,
+) -> None:
+    if not blank_is_record and not raw.strip():
+        return  # blank lines separate records in text files; they are not records
     if offset == 0 and raw.startswith(codecs.BOM_UTF8):
         raw = raw[3:]
     if b"\x00" in raw:
@@ -339,6 +381,10 @@ def _read_json_array(
 def _read_table(unit: WorkUnit, key: str, opts: dict[str, str]) -> Iterator[RawBatch]:
     """Read a text column from a CSV/TSV, Parquet row-group range or saved-dataset file."""
     row = 0
+    if unit.file.format == "parquet":  # offsets count rows from the start of the file
+        with open_stream(unit.file, opts) as handle:
+            meta = pq.ParquetFile(handle).metadata
+        row = sum(meta.row_group(g).num_rows for g in range(unit.start))
     for batch_table, bad in _table_batches(unit, key, opts):
         batch = RawBatch(bad=bad)
         column = batch_table.column(key) if batch_table.num_rows else pa.array([], pa.string())
@@ -347,7 +393,7 @@ def _read_table(unit: WorkUnit, key: str, opts: dict[str, str]) -> Iterator[RawB
             if value is None:
                 batch.add_bad(row, None, "missing_field", f"column {key!r} is null", b"")
             elif isinstance(value, bytes):
-                _emit(batch, value, row, None, None)
+                _emit(batch, value, row, None, None, blank_is_record=True)
             else:
                 batch.offsets.append(row)
                 batch.lines.append(None)

@@ -9,15 +9,19 @@ yield `RawRecord`s and never raise on bad data: a bad record comes back with a q
 from __future__ import annotations
 
 import bz2
-import gzip
 import json
 import lzma
 import re
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import IO, Any, Literal
 
 import fsspec
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 import zstandard
 from fsspec.core import url_to_fs
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
@@ -172,7 +176,40 @@ def expand_source(source: SourceConfig, index: int) -> list[InputFile]:
         files.append(_input(source, fs, unstrip(path), rel, fmt))
     if not files:
         raise InputError(f"{where}: {source.path!r} matches no file of a known format")
+    for file in files:
+        check_text_column(file, source)
     return files
+
+
+def check_text_column(file: InputFile, source: SourceConfig) -> None:
+    """Refuse a tabular input whose schema lacks `text_field`, naming the columns it has."""
+    if file.format not in ("csv", "tsv", "parquet", "hf_disk"):
+        return
+    try:
+        columns = _columns(file, source.fs_options())
+    except (OSError, pa.ArrowInvalid, ValueError, KeyError) as exc:
+        raise InputError(f"input file {file.uri!r} cannot be read as {file.format}: {exc}") from exc
+    if source.text_field not in columns:
+        raise InputError(
+            f"input file {file.uri!r} has no column {source.text_field!r} "
+            f"(text_field); its columns are {columns}"
+        )
+
+
+def _columns(file: InputFile, storage: dict[str, str]) -> list[str]:
+    if file.format == "parquet":
+        with fsspec.open(file.uri, "rb", **storage) as handle:
+            return list(pq.ParquetFile(handle).schema_arrow.names)
+    if file.format == "hf_disk":
+        with pa.memory_map(arrow_files(file.uri)[0]) as handle:
+            return list(pa.ipc.open_stream(handle).schema.names)
+    with open_stream(file, storage) as stream:
+        head = stream.read(1 << 16).split(b"\n", 1)[0].decode("utf-8-sig", "replace").strip("\r")
+    delimiter = "\t" if file.format == "tsv" else ","
+    opts = pacsv.ParseOptions(delimiter=delimiter)
+    return list(
+        pacsv.read_csv(pa.py_buffer(head.encode() + b"\n"), parse_options=opts).column_names
+    )
 
 
 def _input(source: SourceConfig, fs: Any, uri: str, rel: str, fmt: str) -> InputFile:
@@ -188,51 +225,68 @@ def _input(source: SourceConfig, fs: Any, uri: str, rel: str, fmt: str) -> Input
 
 
 def open_stream(file: InputFile, storage: dict[str, str]) -> IO[bytes]:
-    """Open `file` for reading decompressed bytes (gzip, bz2, xz or zstd inferred by suffix)."""
+    """Open `file` for reading decompressed bytes (gzip, bz2, xz or zstd inferred by suffix).
+
+    Compressed input goes through decompressor objects: on a truncated or corrupt file every byte
+    decoded before the break is returned first, and the next read raises (EOFError when cut).
+    """
     raw = fsspec.open(file.uri, "rb", **storage).open()
-    if file.compression == "gzip":
-        return gzip.GzipFile(fileobj=raw)  # type: ignore[return-value]
-    if file.compression == "bz2":
-        return bz2.BZ2File(raw)
-    if file.compression == "xz":
-        return lzma.LZMAFile(raw)
-    if file.compression == "zstd":
-        return _ZstdStream(raw)  # type: ignore[return-value]
+    factories = {
+        "gzip": lambda: zlib.decompressobj(wbits=47),  # 32 + 15: gzip or zlib header
+        "bz2": bz2.BZ2Decompressor,
+        "xz": lzma.LZMADecompressor,
+        "zstd": lambda: zstandard.ZstdDecompressor().decompressobj(),
+    }
+    if file.compression in factories:
+        return _DecompressedStream(raw, factories[file.compression])  # type: ignore[return-value]
     return raw  # type: ignore[no-any-return]
 
 
-class _ZstdStream:
-    """A zstd reader that raises EOFError on a truncated frame (zstandard returns short data)."""
+class _DecompressedStream:
+    """Stream bytes through a decompressor object; multi-member/multi-frame files included."""
 
-    def __init__(self, raw: IO[bytes]) -> None:
-        self._raw = raw
-        self._obj = zstandard.ZstdDecompressor().decompressobj()
-        self._eof = False
+    def __init__(self, raw: IO[bytes], factory: Callable[[], Any]) -> None:
+        self._raw, self._factory = raw, factory
+        self._obj = factory()
+        self._in_member = False  # has the current decompressor been fed part of a member?
+        self._error: BaseException | None = None
+        self._done = False
 
     def read(self, size: int = -1) -> bytes:
+        if self._error is not None:
+            raise self._error
         out = bytearray()
-        while not self._eof and (size < 0 or len(out) < size):
-            chunk = self._raw.read(1 << 20)
+        while not self._done and (size < 0 or len(out) < size):
+            chunk = self._raw.read(1 << 16)
             if not chunk:
-                self._eof = True
-                if not self._obj.eof:
-                    raise EOFError("zstd stream ended before the end of its frame")
+                self._done = True
+                if self._in_member:
+                    self._error = EOFError("compressed stream ended before its end marker")
                 break
-            out += self._obj.decompress(chunk)
-            if self._obj.eof:  # a file may hold several frames
-                rest = self._obj.unused_data
-                self._obj = zstandard.ZstdDecompressor().decompressobj()
-                if rest:
-                    out += self._obj.decompress(rest)
+            try:
+                out += self._feed(chunk)
+            except Exception as exc:  # corrupt data: return what was decoded, raise next time
+                self._done, self._error = True, exc
+        if self._error is not None and not out:
+            raise self._error
         return bytes(out)
 
-    def seek(self, offset: int) -> None:
-        self._raw.seek(offset)
+    def _feed(self, chunk: bytes) -> bytes:
+        out = self._obj.decompress(chunk)
+        self._in_member = True
+        while self._obj.eof:
+            rest = self._obj.unused_data
+            self._obj = self._factory()
+            self._in_member = bool(rest)
+            if not rest:
+                break
+            out += self._obj.decompress(rest)
+        return bytes(out)
 
     def close(self) -> None:
         self._raw.close()
 
-    def __enter__(self) -> _ZstdStream:
+    def __enter__(self) -> _DecompressedStream:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import unicodedata
 from collections.abc import Callable
 from typing import Literal
 
@@ -74,7 +75,7 @@ def clean_texts(texts: pa.Array, cfg: CleanConfig) -> pa.Array:
     if cfg.strip_control:
         out = pc.replace_substring_regex(out, _CONTROL_RE, "")
     if cfg.normalization != "none":
-        out = pc.utf8_normalize(out, form=cfg.normalization)
+        out = normalize_unicode(out, cfg.normalization)
     if cfg.collapse_whitespace:
         out = pc.replace_substring_regex(out, _HSPACE_RE, " ")
         out = pc.replace_substring_regex(out, r" ?\n ?", "\n")
@@ -86,6 +87,21 @@ def clean_texts(texts: pa.Array, cfg: CleanConfig) -> pa.Array:
         if cfg.collapse_whitespace:
             out = pc.replace_substring_regex(out, r" {2,}", " ")
     return pc.utf8_trim_whitespace(out)
+
+
+def normalize_unicode(texts: pa.Array, form: str) -> pa.Array:
+    """Apply a Unicode normalisation form with Python's `unicodedata`.
+
+    pyarrow 25's `utf8_normalize` neither composes nor decomposes (NFC leaves 'e' + U+0301 as
+    it is; tested in tests/tasks/test_text.py), so it cannot be used. `is_normalized` is a fast
+    C check that skips the copy for the common, already-normalised document.
+    """
+    values = texts.to_pylist()
+    out = [
+        t if t is None or unicodedata.is_normalized(form, t) else unicodedata.normalize(form, t)  # type: ignore[arg-type]
+        for t in values
+    ]
+    return pa.array(out, type=texts.type)
 
 
 # Words that end with a period but rarely end a sentence (lower-cased, without the period).

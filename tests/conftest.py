@@ -1,0 +1,81 @@
+"""Session-wide fixtures: one local Ray, one Prefect API and one MLflow store per test session.
+
+Environment first: Ray reads RAY_AUTH_MODE at import (STACK_NOTES §0.3) and Prefect reads its
+settings at import, so they are set before anything imports either.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="lmpipe-tests-"))
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "90"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("RAY_ADDRESS", None)
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+import pyarrow as pa  # noqa: E402
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The public data in ../shared/data; tests that need it skip where it is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA} (CI always has it)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[str]:
+    """Start one local Ray for the whole session; yield its GCS address; stop exactly it."""
+    import ray
+
+    from tasks.ray_runtime import RayConfig, ensure_ray
+
+    ensure_ray(RayConfig(num_workers=2, num_cpus=4))
+    address = ray.get_runtime_context().gcs_address
+    yield address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[str]:
+    """One Prefect API (the test harness's temporary server) for the session; yield its URL."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield str(PREFECT_API_URL.value())
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri() -> str:
+    """One MLflow store (SQLite) for the session."""
+    return f"sqlite:///{_SESSION_TMP / 'mlflow.db'}"
+
+
+@pytest.fixture
+def tiny_text_table() -> pa.Table:
+    """About twenty raw documents with the clean-up cases the core must handle."""
+    texts = [f"Document number {i}. It has two sentences." for i in range(16)]
+    texts += ["\ufeffBOM  and\r\nCRLF\r\n", "   ", "x", "Tabs\tand\x07bells."]
+    return pa.table(
+        {
+            "offset": pa.array(range(len(texts)), pa.int64()),
+            "line": pa.array(range(1, len(texts) + 1), pa.int64()),
+            "text": pa.array(texts, pa.large_string()),
+        }
+    )
