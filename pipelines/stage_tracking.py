@@ -11,7 +11,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from pipelines.config import RunConfig
-from tasks.io import public_dump
+from tasks.io import atomic_writer, public_dump
 from training.tracking import flatten, stage_run
 
 
@@ -63,7 +63,8 @@ def track_stage_task(result: dict[str, Any], cfg: RunConfig) -> str | None:
         tracker.log_metrics(stage_metrics(manifest))
         tracker.log_artifact(out / "manifest.json", "manifest")
         config_file = out / "run_config.yaml"
-        config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+        with atomic_writer(config_file, "w") as handle:
+            handle.write(yaml.safe_dump(config, sort_keys=False))
         tracker.log_artifact(config_file, "config")
         get_run_logger().info("MLflow run %s", tracker.run_id)
         return tracker.run_id

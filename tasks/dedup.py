@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 HASH_HI = "hash_hi"
 HASH_LO = "hash_lo"
 MINHASH = "minhash"
+# datasketch 2's bijective 32-bit permutation scheme: 4 bytes per permutation per document.
+_SCHEME = "affine32"
 
 
 class NearDedupConfig(BaseModel):
@@ -72,7 +74,7 @@ def exact_keep_mask(
 
 
 def minhash_signatures(texts: pa.Array, cfg: NearDedupConfig) -> pa.Array:
-    """Return a fixed-size list<uint64> MinHash signature per text over word shingles."""
+    """Return a fixed-size list<uint32> MinHash signature per text over word shingles."""
     shingle_sets = []
     for text in texts.to_pylist():
         words = text.lower().split()
@@ -80,14 +82,18 @@ def minhash_signatures(texts: pa.Array, cfg: NearDedupConfig) -> pa.Array:
         shingles = {" ".join(words[i : i + k]).encode() for i in range(max(len(words) - k + 1, 1))}
         shingle_sets.append(list(shingles))
     hashes = MinHash.bulk(
-        shingle_sets, num_perm=cfg.num_perm, seed=cfg.seed, hashfunc=xxhash.xxh32_intdigest
+        shingle_sets,
+        num_perm=cfg.num_perm,
+        seed=cfg.seed,
+        hashfunc=xxhash.xxh32_intdigest,
+        scheme=_SCHEME,
     )
     flat = (
-        np.concatenate([m.hashvalues.astype(np.uint64) for m in hashes])
+        np.concatenate([m.hashvalues.astype(np.uint32) for m in hashes])
         if hashes
-        else np.empty(0, np.uint64)
+        else np.empty(0, np.uint32)
     )
-    return pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.uint64()), cfg.num_perm)
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.uint32()), cfg.num_perm)
 
 
 def near_keep_mask(
@@ -103,7 +109,7 @@ def near_keep_mask(
     kept: dict[int, LeanMinHash] = {}
 
     def lean(values: np.ndarray) -> LeanMinHash:
-        return LeanMinHash(seed=cfg.seed, hashvalues=values)
+        return LeanMinHash(seed=cfg.seed, hashvalues=values, scheme=_SCHEME)
 
     for key, values in enumerate(prior):
         kept[-key - 1] = lean(values)

@@ -138,6 +138,8 @@ def run_ingest(
     new_files = [f for f in files if f.uri not in done_uris]
     staging = out / "_staging"
     staging.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob(".*.tmp-*"), *staging.glob(".*.tmp-*")]:
+        stale.unlink(missing_ok=True)  # temp files of a killed run; never read as outputs
     unit_bytes = max(int(cfg.unit_size_mb * (1 << 20)), 1)
     units = _plan(new_files, cfg, unit_bytes, storage)
     ensure_ray(ray_cfg)

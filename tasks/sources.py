@@ -30,10 +30,10 @@ Format = Literal["auto", "txt", "jsonl", "json", "csv", "tsv", "parquet", "hf_di
 TxtMode = Literal["line", "block", "file"]
 
 _COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
+# Markdown/README files are not auto-detected: a data folder's README is not corpus text.
 _SUFFIX_FORMATS = {
     ".txt": "txt",
     ".text": "txt",
-    ".md": "txt",
     ".jsonl": "jsonl",
     ".ndjson": "jsonl",
     ".json": "json",

@@ -203,7 +203,9 @@ def _is_false_boundary(line: str, match: re.Match[str]) -> bool:
     """Decide whether a '.'-terminated candidate is an abbreviation, initial or enumerator."""
     if match.group("term") != ".":
         return False
-    head = line[: match.start()]
+    # A bounded window: scanning the whole line prefix would make long paragraphs quadratic.
+    start = max(match.start() - 64, 0)
+    head = line[start : match.start()]
     word = _WORD_BEFORE.search(head)
     if word is None:
         return False
@@ -215,7 +217,7 @@ def _is_false_boundary(line: str, match: re.Match[str]) -> bool:
     if _INITIAL.search(head):  # J. R. R. Tolkien
         return True
     # "1. First item" at the start of a line is a list enumerator, not a sentence.
-    return bool(_ENUMERATOR.match(token)) and word.start() == 0
+    return bool(_ENUMERATOR.match(token)) and start == 0 and word.start() == 0
 
 
 def split_sentences_rules(text: str) -> list[str]:

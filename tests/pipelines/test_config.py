@@ -78,7 +78,7 @@ def test_missing_file_and_bad_yaml_name_the_file(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("ingest: [unclosed\n")
-    with pytest.raises(ConfigError, match="bad.yaml: invalid YAML"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML"):
         load_config(bad)
 
 

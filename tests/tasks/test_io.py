@@ -54,9 +54,14 @@ def test_safe_join_refuses_symlink_out_of_root(tmp_path: Path) -> None:
 
 def test_atomic_writer_leaves_nothing_under_final_name_on_error(tmp_path: Path) -> None:
     target = tmp_path / "out.bin"
-    with pytest.raises(RuntimeError), atomic_writer(target) as handle:
-        handle.write(b"partial")
-        raise RuntimeError("crash mid-write")
+
+    def crash_mid_write() -> None:
+        with atomic_writer(target) as handle:
+            handle.write(b"partial")
+            raise RuntimeError("crash mid-write")
+
+    with pytest.raises(RuntimeError):
+        crash_mid_write()
     assert list(tmp_path.iterdir()) == []
 
 
@@ -83,4 +88,5 @@ def test_public_dump_leaves_secrets_out() -> None:
     creds = _Creds(user="u", password=SecretStr("hunter2"), options={"key": SecretStr("s3cr3t")})
     dump = public_dump(creds)
     assert dump == {"user": "u", "options": ["key"]}
-    assert "hunter2" not in repr(dump) and "s3cr3t" not in repr(dump)
+    assert "hunter2" not in repr(dump)
+    assert "s3cr3t" not in repr(dump)
