@@ -23,7 +23,7 @@ from tasks.dedup import HASH_HI, HASH_LO, MINHASH, DedupConfig, content_hashes, 
 from tasks.io import atomic_writer, read_ipc_stream, write_json_atomic
 from tasks.readers import RawBatch, read_unit
 from tasks.sources import SourceConfig, WorkUnit
-from tasks.text import CleanConfig, SentenceConfig, clean_texts, resolve_splitter, split_sentences
+from tasks.text import CleanConfig, SentenceConfig, clean_texts, split_sentences
 
 SPLITS = ("train", "validation", "test")
 
@@ -109,7 +109,7 @@ def prepare_documents(raw: pa.Table, cfg: IngestConfig) -> tuple[pa.Table, Count
     )
     keep = pc.is_null(reasons)
     text = pc.filter(text, keep)
-    sentences = split_sentences(text, resolve_splitter(cfg.sentences))
+    sentences = split_sentences(text, cfg.sentences)
     hi, lo = content_hashes(text)
     columns = {
         schema.OFFSET: pc.filter(raw.column(schema.OFFSET), keep),

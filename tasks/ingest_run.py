@@ -51,6 +51,7 @@ from tasks.progress import make_reporter
 from tasks.ray_runtime import RayConfig, ensure_ray, map_bounded
 from tasks.readers import plan_units
 from tasks.sources import InputFile, WorkUnit, expand_source
+from tasks.text import resolve_splitter
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
@@ -110,6 +111,7 @@ def run_ingest(
     inputs are a subset of these is extended: only new files are read, old shards are kept.
     """
     started = time.monotonic()
+    resolve_splitter(cfg.sentences)  # a plug-in that cannot be imported is refused up front
     files, storage = _inputs(cfg)
     inputs = [
         {

@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tasks.sentences import BOUNDARY, LINE_BREAK, split_column
+
 SentenceSplitter = Callable[[str], list[str]]
 
 
@@ -104,176 +106,23 @@ def normalize_unicode(texts: pa.Array, form: str) -> pa.Array:
     return pa.array(out, type=texts.type)
 
 
-# Words that end with a period but rarely end a sentence (lower-cased, without the period).
-_ABBREVIATIONS = frozenset(
-    [
-        "mr",
-        "mrs",
-        "ms",
-        "messrs",
-        "mme",
-        "mlle",
-        "dr",
-        "prof",
-        "rev",
-        "hon",
-        "sr",
-        "jr",
-        "st",
-        "mt",
-        "ft",
-        "capt",
-        "col",
-        "gen",
-        "lt",
-        "sgt",
-        "cpl",
-        "maj",
-        "adm",
-        "gov",
-        "pres",
-        "sen",
-        "rep",
-        "supt",
-        "insp",
-        "esq",
-        "vs",
-        "cf",
-        "viz",
-        "al",
-        "approx",
-        "dept",
-        "est",
-        "fig",
-        "figs",
-        "eq",
-        "eqs",
-        "no",
-        "nos",
-        "vol",
-        "vols",
-        "pp",
-        "ch",
-        "sec",
-        "art",
-        "ed",
-        "eds",
-        "op",
-        "jan",
-        "feb",
-        "mar",
-        "apr",
-        "jun",
-        "jul",
-        "aug",
-        "sep",
-        "sept",
-        "oct",
-        "nov",
-        "dec",
-        "inc",
-        "ltd",
-        "co",
-        "corp",
-        "bros",
-        "ave",
-        "blvd",
-        "rd",
-        "e.g",
-        "i.e",
-        "a.k.a",
-    ]
-)
-
-# A candidate boundary: terminal punctuation, optional closing quotes/brackets, whitespace, and a
-# next sentence that starts with an upper-case letter or digit (after optional opening quotes).
-_BOUNDARY = re.compile(
-    r"""(?P<term>[.!?\u2026]+)(?P<close>['"\u201d\u2019\u00bb)\]]*)\s+"""
-    r"""(?=['"\u201c\u2018\u00ab(\[]*[0-9A-Z\u00c0-\u00d6\u00d8-\u00de\u0391-\u03a9\u0400-\u042f])"""
-)
-# Full stops of scripts that do not put a space after them (CJK).
-_CJK_BOUNDARY = re.compile(r"[\u3002\uff01\uff1f]+[\u300d\u300f\uff09]*")
-_WORD_BEFORE = re.compile(r"(\S+)$")
-_UPPER_ACRONYM = re.compile(r"(?:[A-Z]\.){2,}$")
-_INITIAL = re.compile(r"(?:^|[\s(\"'])[A-Z]$")
-_ENUMERATOR = re.compile(r"^\d{1,3}$")
-
-
-def _is_false_boundary(line: str, match: re.Match[str]) -> bool:
-    """Decide whether a '.'-terminated candidate is an abbreviation, initial or enumerator."""
-    if match.group("term") != ".":
-        return False
-    # A bounded window: scanning the whole line prefix would make long paragraphs quadratic.
-    start = max(match.start() - 64, 0)
-    head = line[start : match.start()]
-    word = _WORD_BEFORE.search(head)
-    if word is None:
-        return False
-    token = word.group(1).lstrip("\"'([\u201c\u2018")
-    if token.lower().rstrip(".") in _ABBREVIATIONS:
-        return True
-    if _UPPER_ACRONYM.search(token + "."):  # U.S. Army, Ph.D.: not split
-        return True
-    if _INITIAL.search(head):  # J. R. R. Tolkien
-        return True
-    # "1. First item" at the start of a line is a list enumerator, not a sentence.
-    return bool(_ENUMERATOR.match(token)) and start == 0 and word.start() == 0
-
-
 def split_sentences_rules(text: str) -> list[str]:
-    """Split a document into sentences with abbreviation-, initial- and quote-aware rules.
-
-    Every line break is a boundary; within a line a boundary is terminal punctuation (plus any
-    closing quotes) followed by whitespace and an upper-case letter or digit, unless the word
-    before it is a known abbreviation, an initial or a leading enumerator. Decimals never split
-    (no whitespace follows their point). Sentences are stripped, non-empty slices of `text`.
-    """
-    sentences: list[str] = []
-    for line in text.split("\n"):
-        start = 0
-        for match in _BOUNDARY.finditer(line):
-            if _is_false_boundary(line, match):
-                continue
-            end = match.end("close")
-            _append_cjk_split(sentences, line[start:end])
-            start = match.end()
-        _append_cjk_split(sentences, line[start:])
-    return sentences
-
-
-def _append_cjk_split(sentences: list[str], piece: str) -> None:
-    start = 0
-    for match in _CJK_BOUNDARY.finditer(piece):
-        part = piece[start : match.end()].strip()
-        if part:
-            sentences.append(part)
-        start = match.end()
-    tail = piece[start:].strip()
-    if tail:
-        sentences.append(tail)
-
-
-def _split_lines(text: str) -> list[str]:
-    return [line.strip() for line in text.split("\n") if line.strip()]
-
-
-def _split_none(text: str) -> list[str]:
-    return [text] if text else []
+    """Split one document with the built-in rules (see `tasks.sentences`)."""
+    return split_column(pa.array([text.strip()], pa.large_string())).to_pylist()[0]  # type: ignore[no-any-return]
 
 
 def resolve_splitter(cfg: SentenceConfig) -> SentenceSplitter:
-    """Return the splitter callable `cfg.splitter` names, importing a plug-in if needed.
+    """Return a per-document callable for `cfg.splitter`, importing a plug-in if needed.
 
     Raises:
         ValueError: the plug-in path cannot be imported or does not name a callable.
     """
-    builtin: dict[str, SentenceSplitter] = {
-        "rules": split_sentences_rules,
-        "lines": _split_lines,
-        "none": _split_none,
-    }
-    if cfg.splitter in builtin:
-        return builtin[cfg.splitter]
+    if cfg.splitter == "rules":
+        return split_sentences_rules
+    if cfg.splitter == "lines":
+        return lambda text: [line.strip() for line in text.split("\n") if line.strip()]
+    if cfg.splitter == "none":
+        return lambda text: [text] if text else []
     module_name, _, attr = cfg.splitter.partition(":")
     try:
         func = getattr(importlib.import_module(module_name), attr)
@@ -284,6 +133,18 @@ def resolve_splitter(cfg: SentenceConfig) -> SentenceSplitter:
     return func  # type: ignore[no-any-return]
 
 
-def split_sentences(texts: pa.Array, splitter: SentenceSplitter) -> pa.Array:
-    """Apply `splitter` to every string of `texts`; returns a `list<string>` array."""
-    return pa.array([splitter(text) for text in texts.to_pylist()], type=pa.list_(pa.string()))
+def split_sentences(texts: pa.Array, cfg: SentenceConfig) -> pa.Array:
+    """Split every (cleaned, trimmed) text into sentences; returns a `list<string>` array.
+
+    The built-in splitters run vectorised over the whole column; a plug-in runs per document.
+    """
+    if cfg.splitter == "rules":
+        return split_column(texts, BOUNDARY)
+    if cfg.splitter == "lines":
+        return split_column(texts, LINE_BREAK)
+    if cfg.splitter == "none":
+        values = texts.cast(pa.string())
+        offsets = pa.array(range(len(values) + 1), pa.int32())
+        return pa.ListArray.from_arrays(offsets, values)
+    splitter = resolve_splitter(cfg)
+    return pa.array([splitter(t) for t in texts.to_pylist()], type=pa.list_(pa.string()))

@@ -1,0 +1,193 @@
+"""Ingestion throughput and peak memory, against pyarrow alone reading the same bytes.
+
+Usage: python bench/ingest_throughput.py [--mb 200] [--out bench/results] [--profile]
+
+Generates a JSON-Lines corpus of unique ~1 kB documents (--mb MiB, and a doubled one for the
+memory check), then for each setting runs the real stage (Ray tasks, dedup on) in a fresh local
+Ray and a fresh workspace, sampling the summed RSS of this driver and every process under it
+(the local Ray: GCS, raylet, workers) every 0.2 s. The floors are pyarrow alone: reading the
+bytes, and parsing them with pyarrow.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import json
+import os
+import platform
+import pstats
+import random
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psutil
+import pyarrow as pa
+import pyarrow.json as pajson
+import ray
+
+from tasks.ingest import IngestConfig, UnitJob, process_unit
+from tasks.ingest_run import run_ingest
+from tasks.ray_runtime import RayConfig
+from tasks.readers import plan_units
+from tasks.sources import SourceConfig, expand_source
+from tasks.synthetic import SyntheticConfig, fact_sentence, grammar_sentence, make_world
+
+
+def generate(path: Path, mib: int, seed: int = 0) -> Path:
+    """Write unique ~1 kB documents as JSON Lines until the corpus holds `mib` MiB."""
+    if path.exists() and path.stat().st_size >= mib << 20:
+        return path
+    rng = random.Random(seed)
+    world = make_world(SyntheticConfig(people=600))
+    pool = [grammar_sentence(rng) for _ in range(5000)]
+    pool += [fact_sentence(p, k) for p in world for k in ("city", "job", "pet")]
+    pool += ["Mr. Smith paid $3.50 at 5 p.m. on Jan. 3.", '"Stop!" he said. Then he left.']
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written, i = 0, 0
+    with open(path, "w") as handle:
+        while written < mib << 20:
+            lines = []
+            for _ in range(1000):
+                text = f"Document {i}. " + " ".join(rng.choices(pool, k=16))
+                lines.append(json.dumps({"id": i, "text": text}))
+                i += 1
+            block = "\n".join(lines) + "\n"
+            handle.write(block)
+            written += len(block)
+    return path
+
+
+class PeakRss(threading.Thread):
+    """Sample the summed RSS of this process and all its descendants."""
+
+    def __init__(self) -> None:  # noqa: D107
+        super().__init__(daemon=True)
+        self.peak, self.stop = 0, threading.Event()
+
+    def run(self) -> None:  # noqa: D102
+        me = psutil.Process()
+        while not self.stop.is_set():
+            total = 0
+            for proc in [me, *me.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    total += proc.memory_info().rss
+            self.peak = max(self.peak, total)
+            time.sleep(0.2)
+
+
+def floors(path: Path) -> dict[str, float]:
+    """Time pyarrow alone: reading the bytes, and parsing them with pyarrow.json."""
+    start = time.perf_counter()
+    with pa.OSFile(str(path)) as handle:
+        while handle.read(64 << 20):
+            pass
+    read_s = time.perf_counter() - start
+    start = time.perf_counter()
+    opts = pajson.ReadOptions(block_size=16 << 20, use_threads=False)
+    pajson.read_json(str(path), read_options=opts)
+    parse_s = time.perf_counter() - start
+    mib = path.stat().st_size / 2**20
+    return {"pyarrow_read_mb_s": mib / read_s, "pyarrow_json_parse_1thread_mb_s": mib / parse_s}
+
+
+def run_one(path: Path, workers: int, splitter: str, workdir: Path) -> dict[str, float]:
+    cfg = IngestConfig(
+        sources=[SourceConfig(path=str(path), format="jsonl")],
+        sentences={"splitter": splitter},  # type: ignore[arg-type]
+        shard_size_mb=64,
+        unit_size_mb=32,
+        incremental=False,
+    )
+    shutil.rmtree(workdir, ignore_errors=True)
+    ray_cfg = RayConfig(num_workers=workers, num_cpus=workers + 2, object_store_mb=256)
+    sampler = PeakRss()
+    sampler.start()
+    start = time.perf_counter()
+    from tasks.ray_runtime import ensure_ray
+
+    ensure_ray(ray_cfg)
+    ray_start = time.perf_counter() - start
+    start = time.perf_counter()
+    result = run_ingest(cfg, ray_cfg, workdir)
+    elapsed = time.perf_counter() - start
+    sampler.stop.set()
+    sampler.join()
+    ray.shutdown()
+    mib = path.stat().st_size / 2**20
+    return {
+        "input_mib": round(mib, 1),
+        "workers": workers,
+        "splitter": splitter,
+        "elapsed_s": round(elapsed, 2),
+        "ray_start_s": round(ray_start, 2),
+        "mb_s": round(mib / elapsed, 2),
+        "mb_s_per_worker": round(mib / elapsed / workers, 2),
+        "peak_rss_mib": round(sampler.peak / 2**20),
+        "documents": result.manifest["counts"]["read"],
+    }
+
+
+def profile_unit(path: Path, workdir: Path) -> str:
+    """Profile one 32 MiB work unit in-process (no Ray) to show where the time goes."""
+    cfg = IngestConfig(sources=[SourceConfig(path=str(path), format="jsonl")], unit_size_mb=32)
+    files = expand_source(cfg.sources[0], 0)
+    unit = plan_units(files, "line", 32 << 20, {files[0].source: {}})[0]
+    staging = workdir / "profile"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    process_unit(UnitJob(unit, cfg, str(staging), {}))
+    profiler.disable()
+    out = workdir / "profile.txt"
+    with open(out, "w") as handle:
+        pstats.Stats(profiler, stream=handle).sort_stats("tottime").print_stats(15)
+    return out.read_text()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mb", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    data = args.out / "data"
+    small = generate(data / f"corpus-{args.mb}.jsonl", args.mb)
+    big = generate(data / f"corpus-{2 * args.mb}.jsonl", 2 * args.mb, seed=1)
+    machine = {
+        "cpus": os.cpu_count(),
+        "mem_gib": round(psutil.virtual_memory().total / 2**30),
+        "python": platform.python_version(),
+        "pyarrow": pa.__version__,
+        "ray": ray.__version__,
+    }
+    results: dict[str, object] = {"machine": machine, "floor": floors(small), "runs": []}
+    runs = results["runs"]
+    assert isinstance(runs, list)
+    for workers, splitter, corpus in [
+        (1, "rules", small),
+        (2, "rules", small),
+        (1, "none", small),
+        (2, "none", small),
+        (2, "rules", big),
+    ]:
+        run = run_one(corpus, workers, splitter, args.out / "ws")
+        print(json.dumps(run), flush=True)
+        runs.append(run)
+    if args.profile:
+        results["profile"] = profile_unit(small, args.out)
+        print(results["profile"])
+    (args.out / "ingest_throughput.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results["floor"]))
+
+
+if __name__ == "__main__":
+    main()
