@@ -68,7 +68,7 @@ def generate(path: Path, mib: int, seed: int = 0) -> Path:
 class PeakRss(threading.Thread):
     """Sample the summed RSS of this process and all its descendants."""
 
-    def __init__(self) -> None:  # noqa: D107
+    def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak, self.stop = 0, threading.Event()
 
