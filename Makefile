@@ -56,7 +56,7 @@ test-gpu: $(STAMP)
 check: test
 
 bench: $(STAMP)
-	$(BIN)/python bench/ingest_throughput.py
+	$(BIN)/python bench/ingest_throughput.py --profile
 
 clean:
 	rm -rf workspace .pytest_cache .mypy_cache .ruff_cache
