@@ -43,6 +43,7 @@ from tasks.io import (
     fingerprint,
     public_dump,
     read_ipc_stream,
+    safe_join,
     sha256_file,
     write_ipc_stream,
     write_json_atomic,
@@ -187,7 +188,8 @@ def _complete(out: Path, manifest: dict[str, Any]) -> bool:
     files = [s for split in manifest["splits"].values() for s in split["shards"]]
     files += [manifest["quarantine"], manifest["dedup_index"]]
     return all(
-        (out / f["name"]).is_file() and (out / f["name"]).stat().st_size == f["bytes"]
+        safe_join(out, f["name"], what="manifest file").is_file()
+        and safe_join(out, f["name"], what="manifest file").stat().st_size == f["bytes"]
         for f in files
     )
 
@@ -244,7 +246,11 @@ def _finish(
     lo = np.concatenate(
         [t.column(HASH_LO).to_numpy() for t in per_unit] or [np.empty(0, np.uint64)]
     )
-    prior = read_ipc_stream(Path(base["path"]) / base["dedup_index"]["name"]) if base else None
+    prior = (
+        read_ipc_stream(safe_join(Path(base["path"]), base["dedup_index"]["name"]))
+        if base
+        else None
+    )
     keep = (
         exact_keep_mask(
             hi,
@@ -384,7 +390,7 @@ def _split_entries(
     if base:
         for split, entry in base["splits"].items():
             for shard in entry["shards"]:
-                _link(Path(base["path"]) / shard["name"], out / shard["name"])
+                _link(safe_join(Path(base["path"]), shard["name"]), safe_join(out, shard["name"]))
                 splits[split]["shards"].append(shard)
                 splits[split]["rows"] += shard["rows"]
     for (split, name), info in zip(names, written, strict=True):
@@ -410,7 +416,7 @@ def _write_quarantine(
     rows = 0
     with atomic_writer(out / "quarantine.jsonl", "w") as handle:
         if base:
-            with open(Path(base["path"]) / base["quarantine"]["name"]) as old:
+            with open(safe_join(Path(base["path"]), base["quarantine"]["name"])) as old:
                 for line in old:
                     handle.write(line)
                     rows += 1

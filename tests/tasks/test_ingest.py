@@ -207,3 +207,20 @@ def test_near_duplicates_are_removed_when_enabled(tmp_path: Path, ray_session: s
     texts = [d["text"] for d in shard_rows(result.path, result.manifest)]
     assert base in texts
     assert len(texts) == 2
+
+
+def test_tampered_manifest_cannot_point_outside_the_output(
+    tmp_path: Path, ray_session: str
+) -> None:
+    from tasks.io import UnsafePathError
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_docs(corpus / "a.txt", ["One doc. Fine."])
+    cfg = config(SourceConfig(path=str(corpus)))
+    first = run_ingest(cfg, RAY2, tmp_path / "ws")
+    manifest = json.loads((first.path / "manifest.json").read_text())
+    manifest["quarantine"]["name"] = "../../../../etc/passwd"
+    (first.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UnsafePathError, match="manifest file"):
+        run_ingest(cfg, RAY2, tmp_path / "ws")
