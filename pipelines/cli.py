@@ -120,7 +120,8 @@ def _summarise(result: dict[str, Any]) -> int:
     for group in ("filtered", "duplicates", "quarantined"):
         for reason, n in counts[group].items():
             table.add_row(f"{group}: {reason}", f"{n:,}")
-    for split, entry in manifest["splits"].items():
+    for split in ("train", "validation", "test"):
+        entry = manifest["splits"][split]
         size = sum(s["bytes"] for s in entry["shards"]) / 2**20
         table.add_row(
             f"split {split}",
