@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tasks import schema
 from tasks.dedup import HASH_HI, HASH_LO, MINHASH, DedupConfig, content_hashes, minhash_signatures
 from tasks.io import atomic_writer, read_ipc_stream, write_json_atomic
-from tasks.readers import RawBatch, read_unit
+from tasks.readers import read_unit
+from tasks.records import RawBatch
 from tasks.sources import SourceConfig, WorkUnit
 from tasks.text import CleanConfig, SentenceConfig, clean_texts, split_sentences
 
