@@ -125,7 +125,7 @@ def _pipeline(tok: Tokenizer, cfg: TokenizerConfig) -> Tokenizer:
             lowercase=cfg.lowercase,
         )
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.decoder = decoders.WordPiece(prefix="##")
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # exact round trip
     elif cfg.family == "bpe":
         if cfg.lowercase:
             tok.normalizer = normalizers.Lowercase()
