@@ -247,30 +247,25 @@ def padded_vocab_size(tok: Tokenizer, cfg: TokenizerConfig) -> int:
     )
 
 
+# The token that plays each `transformers` role, per family (BPE: per style).
+_ROLES: dict[str, dict[str, str]] = {
+    "wordpiece": {"unk": "[UNK]", "pad": "[PAD]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"},
+    "roberta": {
+        "bos": "<s>",
+        "eos": "</s>",
+        "unk": "<unk>",
+        "pad": "<pad>",
+        "cls": "<s>",
+        "sep": "</s>",
+        "mask": "<mask>",
+    },
+    "gpt2": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>"},
+    "unigram": {"eos": "</s>", "unk": "<unk>", "pad": "<pad>"},
+}
+
+
 def to_transformers(tok: Tokenizer, cfg: TokenizerConfig) -> PreTrainedTokenizerFast:
     """Wrap `tok` so that `AutoTokenizer.from_pretrained` reloads it with the right specials."""
-    names = {
-        "wordpiece": dict(
-            unk_token="[UNK]",
-            pad_token="[PAD]",
-            cls_token="[CLS]",
-            sep_token="[SEP]",
-            mask_token="[MASK]",
-        ),
-        "roberta": dict(
-            bos_token="<s>",
-            eos_token="</s>",
-            unk_token="<unk>",
-            pad_token="<pad>",
-            cls_token="<s>",
-            sep_token="</s>",
-            mask_token="<mask>",
-        ),
-        "gpt2": dict(
-            bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>"
-        ),
-        "unigram": dict(eos_token="</s>", unk_token="<unk>", pad_token="<pad>"),
-    }
     key = cfg.family if cfg.family != "bpe" else cfg.bpe_style
     inputs = (
         ["input_ids", "token_type_ids", "attention_mask"]
@@ -283,6 +278,6 @@ def to_transformers(tok: Tokenizer, cfg: TokenizerConfig) -> PreTrainedTokenizer
         model_max_length=cfg.model_max_length,
         padding_side=cfg.padding_side,
         model_input_names=inputs,
-        **names[key],
+        **{f"{role}_token": token for role, token in _ROLES[key].items()},
         **extra,
     )
