@@ -20,7 +20,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tasks import schema
 from tasks.dedup import HASH_HI, HASH_LO, MINHASH, DedupConfig, content_hashes, minhash_signatures
-from tasks.io import atomic_writer, read_ipc_stream, write_json_atomic
+from tasks.io import (
+    atomic_writer,
+    read_ipc_stream,
+    sha256_file,
+    write_ipc_stream,
+    write_json_atomic,
+)
 from tasks.readers import read_unit
 from tasks.records import RawBatch
 from tasks.sources import SourceConfig, WorkUnit
@@ -269,8 +275,6 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
             )
         )
     table = pa.concat_tables(tables).combine_chunks()
-    from tasks.io import sha256_file, write_ipc_stream
-
     write_ipc_stream(table, Path(job.path))
     return {
         "rows": table.num_rows,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import xxhash
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -74,8 +75,6 @@ def public_config(cfg: IngestConfig) -> dict[str, Any]:
 
 def file_fingerprint(file: InputFile, storage: dict[str, str]) -> str:
     """Hash an input's bytes (every file of a saved dataset) with xxh3-128."""
-    import fsspec
-
     digest = xxhash.xxh3_128()
     paths = [file.uri]
     if file.format == "hf_disk":

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import pyarrow as pa
+from pydantic import BaseModel, SecretBytes, SecretStr
 
 _READ_CHUNK = 1 << 20
 
@@ -175,8 +176,6 @@ def public_dump(value: Any) -> Any:
     `SecretStr`/`SecretBytes` fields are dropped; a dict of secrets keeps only its key names, so
     a reader can see *which* credentials were set but never their values.
     """
-    from pydantic import BaseModel, SecretBytes, SecretStr
-
     secret = (SecretStr, SecretBytes)
     if isinstance(value, BaseModel):
         value = {name: getattr(value, name) for name in type(value).model_fields}

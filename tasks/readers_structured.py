@@ -9,6 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
+import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from tasks.records import DECOMPRESS_ERRORS, EXCERPT, RawBatch, emit, emit_value
@@ -112,8 +113,6 @@ def _table_batches(
                 yield pa.Table.from_batches([record_batch]), []
         return
     if file.format == "hf_disk":
-        import pyarrow.ipc as ipc
-
         for path in arrow_files(file.uri):
             with pa.memory_map(path) as source:
                 for record_batch in ipc.open_stream(source):

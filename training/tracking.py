@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,6 +65,8 @@ class MlflowTracker:
 
     def __init__(self, tracking_uri: str, run_id: str) -> None:
         """Attach to an existing run `run_id` at `tracking_uri`."""
+        # mlflow is imported lazily, here and below: it takes about a second, and a run with
+        # tracking off (NullTracker) should not pay for it.
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri)
@@ -79,8 +82,6 @@ class MlflowTracker:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Log numeric metrics at `step` (0 when None)."""
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
