@@ -65,8 +65,8 @@ class MlflowTracker:
 
     def __init__(self, tracking_uri: str, run_id: str) -> None:
         """Attach to an existing run `run_id` at `tracking_uri`."""
-        # mlflow is imported lazily, here and below: it took 1.2-1.7 s to import here, and a run with
-        # tracking off (NullTracker) should not pay for it.
+        # mlflow is imported lazily, here and below: its import took 1.2-1.7 s here, and a
+        # run with tracking off (NullTracker) should not pay for it.
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri)
