@@ -12,13 +12,17 @@ Pure functions over texts and files: no Ray, Prefect or MLflow here.
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
+import sentencepiece as spm
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sentencepiece import sentencepiece_model_pb2
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import trainers as tk_trainers
 from transformers import PreTrainedTokenizerFast
@@ -39,16 +43,22 @@ class PretrainedFiles(BaseModel):
     vocab_txt: str | None = Field(None, description="A BERT WordPiece vocab.txt.")
     vocab_json: str | None = Field(None, description="GPT-2 vocab.json / encoder.json.")
     merges: str | None = Field(None, description="GPT-2 merges.txt / vocab.bpe.")
+    spm_model: str | None = Field(
+        None, description="A SentencePiece Unigram model (T5's spiece.model), converted."
+    )
 
     @model_validator(mode="after")
     def _one_kind(self) -> PretrainedFiles:
         kinds = [
             self.tokenizer_json is not None,
             self.vocab_txt is not None,
+            self.spm_model is not None,
             self.vocab_json is not None or self.merges is not None,
         ]
         if sum(kinds) != 1:
-            raise ValueError("give exactly one of tokenizer_json, vocab_txt, or vocab_json+merges")
+            raise ValueError(
+                "give exactly one of tokenizer_json, vocab_txt, spm_model, or vocab_json+merges"
+            )
         if (self.vocab_json is None) != (self.merges is None):
             raise ValueError("vocab_json and merges go together")
         return self
@@ -84,6 +94,18 @@ class TokenizerConfig(BaseModel):
         True, description="WordPiece: put spaces around CJK characters, as BERT does."
     )
     extra_ids: int = Field(100, ge=0, le=1000, description="Unigram: number of sentinels.")
+    unigram_trainer: Literal["sentencepiece", "tokenizers"] = Field(
+        "sentencepiece",
+        description="Unigram: train with sentencepiece (several times faster) and convert to "
+        "tokenizer.json, or with the `tokenizers` Unigram trainer.",
+    )
+    character_coverage: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Unigram (sentencepiece): share of characters the alphabet covers; the "
+        "rarest rest become <unk>. 1.0 keeps every character seen; ~0.9995 suits CJK corpora.",
+    )
     sample_documents: int | None = Field(
         None,
         ge=1,
@@ -174,8 +196,13 @@ def _post_processor(tok: Tokenizer, cfg: TokenizerConfig) -> None:
         )
 
 
-def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig) -> Tokenizer:
-    """Train a tokenizer of `cfg.family` on `texts` (streamed; uses every core)."""
+def train_tokenizer(texts: Iterable[str] | Iterable[list[str]], cfg: TokenizerConfig) -> Tokenizer:
+    """Train a tokenizer of `cfg.family` on `texts` (strings or batches of strings; every core).
+
+    Unigram trains with sentencepiece by default and is converted (`from_sentencepiece`).
+    """
+    if cfg.family == "unigram" and cfg.unigram_trainer == "sentencepiece":
+        return from_sentencepiece(train_sentencepiece(texts, cfg), cfg)
     specials = special_tokens(cfg)
     if cfg.family == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
@@ -210,14 +237,93 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig) -> Tokenizer:
     return tok
 
 
+def _flat(texts: Iterable[str] | Iterable[list[str]]) -> Iterable[str]:
+    for item in texts:
+        if isinstance(item, str):
+            yield item
+        else:
+            yield from item
+
+
+def train_sentencepiece(texts: Iterable[str] | Iterable[list[str]], cfg: TokenizerConfig) -> bytes:
+    """Train a T5-style SentencePiece Unigram model on `texts`; return the serialised model.
+
+    Ids 0-2 are `<pad> </s> <unk>` (no `<s>`), as in T5; the sentinels are not part of it
+    (`from_sentencepiece` adds them on top). sentencepiece keeps the texts it is given in
+    memory: bound them with `sample_documents` on a large corpus.
+    """
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_flat(texts)),
+        model_writer=model,
+        model_type="unigram",
+        vocab_size=cfg.vocab_size - cfg.extra_ids,
+        character_coverage=cfg.character_coverage,
+        normalization_rule_name="nmt_nfkc_cf" if cfg.lowercase else "nmt_nfkc",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        pad_piece="<pad>",
+        eos_piece="</s>",
+        unk_piece="<unk>",
+        # A document is one "sentence" here; sentencepiece would skip any over 4 kB.
+        max_sentence_length=1 << 24,
+        hard_vocab_limit=False,  # a small corpus yields fewer pieces instead of an error
+        num_threads=os.cpu_count() or 1,
+        minloglevel=2,
+    )
+    return model.getvalue()
+
+
+def from_sentencepiece(model: bytes, cfg: TokenizerConfig) -> Tokenizer:
+    """Convert a serialised SentencePiece Unigram model into an equivalent `tokenizers` one.
+
+    The pieces keep their ids and scores; its own normalisation (the precompiled character
+    map, whitespace stripping and collapsing) and `▁` handling are carried over, then the T5
+    sentinels and template are added. Encodings equal sentencepiece's except where two
+    segmentations score the same to float precision (see docs/tokenizers.md).
+
+    Raises:
+        ValueError: the model is not a Unigram model, or uses byte fallback.
+    """
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model)
+    trainer, norm = proto.trainer_spec, proto.normalizer_spec
+    if trainer.model_type != trainer.UNIGRAM:
+        raise ValueError("the SentencePiece model is not a Unigram model (T5 uses Unigram)")
+    if trainer.byte_fallback:
+        raise ValueError("SentencePiece models with byte_fallback are not supported")
+    vocab = [(piece.piece, piece.score) for piece in proto.pieces]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=trainer.unk_id, byte_fallback=False))
+    steps: list[normalizers.Normalizer] = []
+    if norm.precompiled_charsmap:
+        steps.append(normalizers.Precompiled(norm.precompiled_charsmap))
+    if norm.remove_extra_whitespaces:
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+    tok.normalizer = normalizers.Sequence(steps)
+    prepend = "always" if norm.add_dummy_prefix else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend)
+    # Control pieces and the unknown piece are specials: never split, never normalised.
+    controls = [p.piece for p in proto.pieces if p.type in (p.CONTROL, p.UNKNOWN)]
+    tok.add_special_tokens(controls)
+    tok.add_special_tokens(sentinels(cfg))
+    _post_processor(tok, cfg)
+    return tok
+
+
 def load_tokenizer_files(files: PretrainedFiles, cfg: TokenizerConfig) -> Tokenizer:
     """Build a tokenizer from your own files with this family's conventions.
 
-    A `tokenizer.json` is taken as it is; a BERT `vocab.txt` gets the WordPiece pipeline; GPT-2
+    A `tokenizer.json` is taken as it is; a SentencePiece Unigram model is converted (with the
+    T5 sentinels on top); a BERT `vocab.txt` gets the WordPiece pipeline; GPT-2
     `vocab.json`/`encoder.json` plus `merges.txt`/`vocab.bpe` get the byte-level BPE pipeline.
     """
     if files.tokenizer_json is not None:
         return Tokenizer.from_file(files.tokenizer_json)
+    if files.spm_model is not None:
+        return from_sentencepiece(Path(files.spm_model).read_bytes(), cfg)
     if files.vocab_txt is not None:
         lines = Path(files.vocab_txt).read_text(encoding="utf-8").split("\n")
         vocab = {token: i for i, token in enumerate(lines[:-1] if lines[-1] == "" else lines)}

@@ -68,8 +68,11 @@ def test_wordpiece_decodes_to_its_own_pretokenization(documents: list[str]) -> N
     assert padded_vocab_size(tok, cfg) % 64 == 0
 
 
-def test_unigram_round_trips_after_normalisation_with_t5_sentinels(documents: list[str]) -> None:
-    tok, _ = train(documents, family="unigram", lowercase=False)
+@pytest.mark.parametrize("trainer", ["sentencepiece", "tokenizers"])
+def test_unigram_round_trips_after_normalisation_with_t5_sentinels(
+    documents: list[str], trainer: str
+) -> None:
+    tok, _ = train(documents, family="unigram", lowercase=False, unigram_trainer=trainer)
     size = tok.get_vocab_size()
     assert [tok.token_to_id(t) for t in ["<pad>", "</s>", "<unk>"]] == [0, 1, 2]
     assert tok.token_to_id("<extra_id_0>") == size - 1
