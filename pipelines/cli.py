@@ -47,10 +47,28 @@ def build_parser() -> argparse.ArgumentParser:
         "reuses the output.",
     )
     _add_config_args(ingest)
+    tokenizer = sub.add_parser(
+        "tokenizer",
+        help="ingest (reused when done), then train or load the tokenizer",
+        description="Train a WordPiece (BERT), byte-level BPE (GPT-2/RoBERTa) or Unigram (T5) "
+        "tokenizer on the train split of the ingested shards, or load your own files "
+        "(tokenizer.pretrained.*), and save it under <workspace>/tokenizer/<fingerprint>/ so "
+        "that transformers.AutoTokenizer.from_pretrained loads it offline.",
+    )
+    _add_config_args(tokenizer)
+    encode = sub.add_parser(
+        "encode",
+        help="ingest and tokenizer (reused when done), then encode the corpus to token shards",
+        description="Encode every ingested shard with the tokenizer on Ray: ids per sentence "
+        "and per document (uint16 when the vocabulary fits), with token statistics and a "
+        "tokens-per-document histogram, under <workspace>/encode/<fingerprint>/.",
+    )
+    _add_config_args(encode)
     run = sub.add_parser(
         "run",
         help="the whole pipeline, every stage that exists, on one config",
-        description="Run the `pipeline` Prefect flow: ingestion now; later stages join it.",
+        description="Run the `pipeline` Prefect flow: ingest → tokenizer → encode so far; "
+        "later stages join it. Stages whose inputs, config and code are unchanged are reused.",
     )
     _add_config_args(run)
     show = sub.add_parser(
@@ -88,49 +106,78 @@ def main(argv: list[str] | None = None) -> int:
 
         console.print_json(json.dumps(public_dump(cfg)))
         return 0
-    commands: dict[str, Callable[[RunConfig], dict[str, Any]]] = {
+    commands: dict[str, Callable[[RunConfig], dict[str, dict[str, Any]]]] = {
         "ingest": _run_ingest,
+        "tokenizer": _run_tokenizer,
+        "encode": _run_encode,
         "run": _run_pipeline,
     }
     return _summarise(commands[args.command](cfg))
 
 
-def _run_ingest(cfg: RunConfig) -> dict[str, Any]:
+def _run_ingest(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     from pipelines.ingest_flow import ingest_flow
 
     return ingest_flow(cfg)
 
 
-def _run_pipeline(cfg: RunConfig) -> dict[str, Any]:
+def _run_tokenizer(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    from pipelines.tokenizer_flow import tokenizer_flow
+
+    return tokenizer_flow(cfg)
+
+
+def _run_encode(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    from pipelines.encode_flow import encode_flow
+
+    return encode_flow(cfg)
+
+
+def _run_pipeline(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     from pipelines.pipeline_flow import pipeline_flow
 
-    result: dict[str, Any] = pipeline_flow(cfg)["ingest"]
-    return result
+    return pipeline_flow(cfg)
 
 
-def _summarise(result: dict[str, Any]) -> int:
-    out = Path(result["path"])
-    manifest = json.loads((out / "manifest.json").read_text())
-    counts = manifest["counts"]
-    table = Table(title=f"{result['stage']} {'(reused)' if result['reused'] else ''}")
+def _summarise(stages: dict[str, dict[str, Any]]) -> int:
+    table = Table(title="lmpipe stages")
+    table.add_column("stage")
     table.add_column("what")
     table.add_column("value", justify="right")
-    table.add_row("documents read", f"{counts['read']:,}")
-    table.add_row("kept", f"{counts['kept']:,}")
+    for name, result in stages.items():
+        manifest = json.loads((Path(result["path"]) / "manifest.json").read_text())
+        rows = _ingest_rows(manifest) if name == "ingest" else _metric_rows(manifest["metrics"])
+        status = "reused" if result["reused"] else "built"
+        rows += [("status", status), ("output", result["path"])]
+        rows.append(("MLflow run", str(result.get("mlflow_run_id"))))
+        for i, (what, value) in enumerate(rows):
+            table.add_row(name if i == 0 else "", what, value, end_section=i == len(rows) - 1)
+    console.print(table)
+    return 0
+
+
+def _metric_rows(metrics: dict[str, float]) -> list[tuple[str, str]]:
+    return [
+        (key.replace("_", " "), f"{value:,}" if isinstance(value, int) else f"{value:,.4g}")
+        for key, value in metrics.items()
+    ]
+
+
+def _ingest_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    counts = manifest["counts"]
+    rows = [("documents read", f"{counts['read']:,}"), ("kept", f"{counts['kept']:,}")]
     for group in ("filtered", "duplicates", "quarantined"):
-        for reason, n in counts[group].items():
-            table.add_row(f"{group}: {reason}", f"{n:,}")
+        rows += [(f"{group}: {reason}", f"{n:,}") for reason, n in counts[group].items()]
     for split in ("train", "validation", "test"):
         entry = manifest["splits"][split]
         size = sum(s["bytes"] for s in entry["shards"]) / 2**20
-        table.add_row(
-            f"split {split}",
-            f"{entry['rows']:,} docs, {len(entry['shards'])} shards, {size:.1f} MiB",
+        rows.append(
+            (
+                f"split {split}",
+                f"{entry['rows']:,} docs, {len(entry['shards'])} shards, {size:.1f} MiB",
+            )
         )
-    table.add_row("output", str(out))
-    table.add_row("MLflow run", str(result.get("mlflow_run_id")))
-    console.print(table)
-    return 0
+    return rows
 
 
 def _demo_corpus(out: Path, seed: int, documents: int) -> int:

@@ -14,8 +14,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from tasks.encode import EncodeConfig
 from tasks.ingest import IngestConfig
 from tasks.ray_runtime import RayConfig
+from tasks.tokenizer import TokenizerConfig
 from training.tracking import TrackingConfig
 
 
@@ -38,6 +40,8 @@ class RunConfig(BaseModel):
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     ingest: IngestConfig
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    encode: EncodeConfig = Field(default_factory=EncodeConfig)
 
     @field_validator("name")
     @classmethod

@@ -14,11 +14,11 @@ from tasks.ingest_run import ingest_task
 
 
 @flow(name="ingest")
-def ingest_flow(cfg: RunConfig) -> dict[str, Any]:
-    """Ingest the corpus into fingerprinted Arrow shards and record the stage in MLflow."""
+def ingest_flow(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Ingest the corpus into fingerprinted Arrow shards; returns `{"ingest": summary}`."""
     cfg = resolve_environment(cfg)
     result = ingest_task(cfg.ingest, cfg.ray, str(cfg.workspace))
-    return result | {"mlflow_run_id": track_stage_task(result, cfg)}
+    return {"ingest": result | {"mlflow_run_id": track_stage_task(result, cfg)}}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The `pipeline` flow: every stage that exists, in order (ingestion so far)."""
+"""The `pipeline` flow: every stage that exists, in order (ingest → tokenizer → encode so far)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,17 @@ from typing import Any
 from prefect import flow
 
 from pipelines.config import RunConfig, load_config
-from pipelines.ingest_flow import ingest_flow
+from pipelines.encode_flow import encode_flow
 
 
 @flow(name="pipeline")
-def pipeline_flow(cfg: RunConfig) -> dict[str, Any]:
-    """Run the whole pipeline on one config: corpus → shards (later stages join as they land)."""
-    return {"ingest": ingest_flow(cfg)}
+def pipeline_flow(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Run the whole pipeline on one config; returns each stage's summary by name.
+
+    Each stage flow runs its upstream stages first; a stage whose fingerprint (inputs, config
+    section, code) is unchanged reuses its output.
+    """
+    return encode_flow(cfg)
 
 
 if __name__ == "__main__":

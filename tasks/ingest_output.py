@@ -21,7 +21,14 @@ import pyarrow.compute as pc
 from tasks import schema
 from tasks.dedup import HASH_HI, HASH_LO, MINHASH, DedupConfig, exact_keep_mask, near_keep_mask
 from tasks.ingest import SPLITS, IngestConfig, ShardJob
-from tasks.io import atomic_writer, read_ipc_stream, safe_join, sha256_file, write_ipc_stream
+from tasks.io import (
+    atomic_writer,
+    flatten,
+    read_ipc_stream,
+    safe_join,
+    sha256_file,
+    write_ipc_stream,
+)
 from tasks.sources import WorkUnit
 
 
@@ -282,3 +289,22 @@ def mixture(
         }
         for s in cfg.sources
     }
+
+
+def ingest_metrics(manifest: dict[str, Any]) -> dict[str, float]:
+    """Turn an ingest manifest's counts, sizes and timing into flat numeric metrics."""
+    counts = manifest["counts"]
+    metrics: dict[str, float] = {
+        k: float(v) for k, v in flatten(counts).items() if isinstance(v, int | float)
+    }
+    metrics["filtered_total"] = float(sum(counts["filtered"].values()))
+    metrics["duplicates_total"] = float(sum(counts["duplicates"].values()))
+    metrics["quarantined_total"] = float(sum(counts["quarantined"].values()))
+    shards = [s for split in manifest["splits"].values() for s in split["shards"]]
+    metrics["shards"] = float(len(shards))
+    metrics["output_bytes"] = float(sum(s["bytes"] for s in shards))
+    metrics["input_bytes"] = float(sum(i["size"] for i in manifest["inputs"]))
+    if manifest.get("elapsed_s"):
+        metrics["elapsed_s"] = float(manifest["elapsed_s"])
+        metrics["throughput_mb_s"] = metrics["input_bytes"] / 2**20 / manifest["elapsed_s"]
+    return metrics

@@ -13,7 +13,6 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from tasks.ingest import (
 )
 from tasks.ingest_output import (
     dedup_documents,
+    ingest_metrics,
     load_keys,
     mixture,
     reconcile_counts,
@@ -52,20 +52,12 @@ from tasks.progress import make_reporter
 from tasks.ray_runtime import RayConfig, ensure_ray, map_bounded
 from tasks.readers import plan_units
 from tasks.sources import InputFile, WorkUnit, expand_source
+from tasks.stage import StageResult, files_complete
 from tasks.text import resolve_splitter
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str, int, int], None]
 STAGE = "ingest"
-
-
-@dataclass(frozen=True)
-class IngestResult:
-    """Where an ingest's output is, its manifest, and whether it was reused as it was."""
-
-    path: Path
-    manifest: dict[str, Any]
-    reused: bool
 
 
 def public_config(cfg: IngestConfig) -> dict[str, Any]:
@@ -102,7 +94,7 @@ def _source_key(cfg: IngestConfig, name: str) -> str:
 
 def run_ingest(
     cfg: IngestConfig, ray_cfg: RayConfig, workspace: Path, progress: Progress | None = None
-) -> IngestResult:
+) -> StageResult:
     """Ingest the configured sources into `<workspace>/ingest/<fingerprint>/`.
 
     A complete output with the same fingerprint (inputs' bytes, config, code) is reused as it is;
@@ -133,7 +125,7 @@ def run_ingest(
     if (out / "manifest.json").exists():
         manifest = json.loads((out / "manifest.json").read_text())
         if _complete(out, manifest):
-            return IngestResult(out, manifest, reused=True)
+            return StageResult(out, manifest, reused=True)
     base = _previous(workspace, cfg, config, source_hash, inputs) if cfg.incremental else None
     done_uris = {i["uri"] for i in base["inputs"]} if base else set()
     new_files = [f for f in files if f.uri not in done_uris]
@@ -163,9 +155,10 @@ def run_ingest(
         **_finish(out, cfg, ray_cfg, units, summaries, base, progress),
         "elapsed_s": round(time.monotonic() - started, 3),
     }
+    manifest["metrics"] = ingest_metrics(manifest)
     write_json_atomic(out / "manifest.json", manifest)
     shutil.rmtree(staging, ignore_errors=True)
-    return IngestResult(out, manifest, reused=False)
+    return StageResult(out, manifest, reused=False)
 
 
 def _plan(
@@ -192,12 +185,7 @@ def _ticker(progress: Progress | None, phase: str, total: int) -> Callable[[int,
 
 def _complete(out: Path, manifest: dict[str, Any]) -> bool:
     files = [s for split in manifest["splits"].values() for s in split["shards"]]
-    files += [manifest["quarantine"], manifest["dedup_index"]]
-    return all(
-        safe_join(out, f["name"], what="manifest file").is_file()
-        and safe_join(out, f["name"], what="manifest file").stat().st_size == f["bytes"]
-        for f in files
-    )
+    return files_complete(out, [*files, manifest["quarantine"], manifest["dedup_index"]])
 
 
 def _previous(
@@ -277,9 +265,4 @@ def ingest_task(cfg: IngestConfig, ray_cfg: RayConfig, workspace: str) -> dict[s
         "reused" if result.reused else "built",
         counts,
     )
-    return {
-        "stage": STAGE,
-        "path": str(result.path),
-        "fingerprint": result.manifest["fingerprint"],
-        "reused": result.reused,
-    }
+    return result.summary()

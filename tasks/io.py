@@ -16,7 +16,7 @@ import subprocess
 import unicodedata
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import IO, Any
@@ -188,3 +188,15 @@ def public_dump(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     return value
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten nested mappings into dotted keys (`ingest.split.validation`)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat

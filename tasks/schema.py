@@ -33,6 +33,27 @@ DOCUMENTS = pa.schema(
     ]
 )
 
+NUM_TOKENS = "num_tokens"
+TOKEN_IDS = "token_ids"
+
+
+def tokens_schema(ids: pa.DataType) -> pa.Schema:
+    """One encoded document: its ids per sentence (`list<list<ids>>`) and its token count.
+
+    The outer list is the document, each inner list one sentence encoded with the whitespace
+    before it, so flattening both levels gives ids that decode to the document's text (document
+    boundaries, for packing) and the inner lists give sentence boundaries (for sentence pairs).
+    `ids` is uint16 when the vocabulary fits, uint32 otherwise.
+    """
+    return pa.schema(
+        [
+            pa.field(DOC_ID, pa.string(), nullable=False),
+            pa.field(NUM_TOKENS, pa.int32(), nullable=False),
+            pa.field(TOKEN_IDS, pa.list_(pa.list_(ids)), nullable=False),
+        ]
+    )
+
+
 REASON = "reason"
 DETAIL = "detail"
 EXCERPT = "excerpt"

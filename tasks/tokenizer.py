@@ -387,3 +387,12 @@ def to_transformers(tok: Tokenizer, cfg: TokenizerConfig) -> PreTrainedTokenizer
         **{f"{role}_token": token for role, token in _ROLES[key].items()},
         **extra,
     )
+
+
+def unknown_id(tok: Tokenizer) -> int | None:
+    """The id the model emits for text it cannot represent; None if it has none (byte level)."""
+    state = json.loads(tok.model.__getstate__())
+    if "unk_id" in state:
+        return state["unk_id"]  # type: ignore[no-any-return]
+    token = state.get("unk_token")
+    return None if token is None else tok.token_to_id(token)

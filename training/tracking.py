@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from tasks.io import flatten
+
 log = logging.getLogger(__name__)
 _PARAM_MAX = 6000  # MLflow's limit on one param value
 
@@ -100,18 +102,6 @@ class MlflowTracker:
         """Set run tags."""
         for key, value in tags.items():
             self.client.set_tag(self.run_id, key, value)
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Flatten nested mappings into dotted keys (`ingest.split.validation`)."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat
 
 
 def _param_value(value: Any) -> str:

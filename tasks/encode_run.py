@@ -1,0 +1,197 @@
+"""The encode stage driver: every ingest shard → a token shard, on Ray; statistics; manifest.
+
+Layout of one output, `<workspace>/encode/<fingerprint>/`: one token shard per ingest shard,
+under the same name (`train-g0-00000.arrow`, ...), `tokens_per_document.png` and
+`manifest.json`, written last. `_staging/` holds each finished shard's statistics while a run
+is in progress, so an interrupted run resumes with the shards it had not finished.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from tokenizers import Tokenizer
+
+from tasks import schema
+from tasks.encode import (
+    HISTOGRAM_EDGES,
+    EncodeConfig,
+    EncodeJob,
+    encode_shard,
+    id_type,
+    merge_stats,
+)
+from tasks.io import (
+    atomic_writer,
+    code_version,
+    fingerprint,
+    public_dump,
+    safe_join,
+    write_json_atomic,
+)
+from tasks.progress import Reporter, make_reporter
+from tasks.ray_runtime import RayConfig, ensure_ray, map_bounded
+from tasks.stage import StageResult, files_complete, read_upstream, shards_of
+from tasks.tokenizer import unknown_id
+
+STAGE = "encode"
+HISTOGRAM_PNG = "tokens_per_document.png"
+
+
+def run_encode(
+    cfg: EncodeConfig,
+    ray_cfg: RayConfig,
+    ingest_dir: Path,
+    tokenizer_dir: Path,
+    workspace: Path,
+    progress: Reporter | None = None,
+) -> StageResult:
+    """Encode every split of an ingest output with a tokenizer output, on Ray.
+
+    A complete output with the same fingerprint (ingest, tokenizer, config, code) is reused.
+    """
+    started = time.monotonic()
+    ingest = read_upstream(ingest_dir, "ingest")
+    tokenizer = read_upstream(tokenizer_dir, "tokenizer")
+    config = public_dump(cfg)
+    code = code_version("tasks")
+    inputs = {"ingest": ingest["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
+    fp = fingerprint({"inputs": inputs, "config": config, "code": code["source_hash"]})
+    out = workspace / STAGE / fp
+    manifest_path = out / "manifest.json"
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if files_complete(out, [s for _, s in shards_of(manifest)]):
+            return StageResult(out, manifest, reused=True)
+    staging = out / "_staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob(".*.tmp-*"), *staging.glob(".*.tmp-*")]:
+        stale.unlink(missing_ok=True)  # temp files of a killed run; never read as outputs
+    tok_file = tokenizer_dir / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tok_file))
+    ids = id_type(tok.get_vocab_size(with_added_tokens=True), cfg)
+    shards = shards_of(ingest)
+    jobs = [
+        EncodeJob(
+            src=str(safe_join(ingest_dir, shard["name"], what="ingest shard")),
+            dst=str(safe_join(out, shard["name"], what="token shard")),
+            stats=str(staging / f"{shard['name']}.json"),
+            tokenizer=str(tok_file),
+            ids=str(ids),
+            unk_id=unknown_id(tok),
+            cfg=cfg,
+        )
+        for _, shard in shards
+    ]
+    ensure_ray(ray_cfg)
+    done = [0]
+
+    def tick(_index: int, _result: Any) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress("encode", done[0], len(jobs))
+
+    results = map_bounded(encode_shard, jobs, ray_cfg.num_workers, on_done=tick)
+    splits: dict[str, Any] = {
+        name: {"rows": 0, "tokens": 0, "shards": []} for name in ingest["splits"]
+    }
+    total: dict[str, Any] = {}
+    for (split, shard), stats in zip(shards, results, strict=True):
+        entry = {"name": shard["name"], "rows": stats["documents"], "tokens": stats["tokens"]}
+        splits[split]["shards"].append(entry | {"bytes": stats["bytes"], "sha256": stats["sha256"]})
+        splits[split]["rows"] += stats["documents"]
+        splits[split]["tokens"] += stats["tokens"]
+        total = merge_stats(total, {k: v for k, v in stats.items() if k not in ("bytes", "sha256")})
+    plot_histogram(total, out / HISTOGRAM_PNG)
+    manifest = {
+        "stage": STAGE,
+        "schema_version": schema.SCHEMA_VERSION,
+        "fingerprint": fp,
+        "config": config,
+        "code": code,
+        "inputs": inputs,
+        "ingest": {"fingerprint": ingest["fingerprint"], "path": str(ingest_dir)},
+        "tokenizer": {"fingerprint": tokenizer["fingerprint"], "path": str(tokenizer_dir)},
+        "schema": [str(f) for f in schema.tokens_schema(ids)],
+        "dtype": str(ids),
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "splits": splits,
+        "histogram": {"edges": HISTOGRAM_EDGES.tolist(), "documents": total["histogram"]},
+        "artifacts": [HISTOGRAM_PNG],
+        "metrics": summary_metrics(total) | {"elapsed_s": round(time.monotonic() - started, 3)},
+    }
+    write_json_atomic(manifest_path, manifest)
+    shutil.rmtree(staging, ignore_errors=True)
+    return StageResult(out, manifest, reused=False)
+
+
+def summary_metrics(total: dict[str, Any]) -> dict[str, float]:
+    """The stage's headline figures: counts, unknown-token rate, characters per token."""
+    tokens = max(total["tokens"], 1)
+    documents = max(total["documents"], 1)
+    return {
+        "documents": total["documents"],
+        "sentences": total["sentences"],
+        "tokens": total["tokens"],
+        "characters": total["characters"],
+        "unknown_tokens": total["unknown_tokens"],
+        "unknown_rate": total["unknown_tokens"] / tokens,
+        "documents_with_unknown": total["documents_with_unknown"],
+        "characters_per_token": total["characters"] / tokens,
+        "tokens_per_document_mean": total["tokens"] / documents,
+        "tokens_per_document_max": total["max_tokens_per_document"],
+    }
+
+
+def plot_histogram(total: dict[str, Any], path: Path) -> None:
+    """Draw the tokens-per-document histogram (log-spaced bins) as a PNG, atomically."""
+    counts = np.asarray(total["histogram"])
+    used = np.flatnonzero(counts)
+    figure = Figure(figsize=(8, 4.5), dpi=100)
+    axes = figure.subplots()
+    if len(used):
+        lo, hi = used[0], used[-1] + 1
+        # Bin i spans [edge i, edge i+1); the last bin is open, drawn one quarter octave wide.
+        right = np.append(HISTOGRAM_EDGES[1:], HISTOGRAM_EDGES[-1] * 2**0.25)
+        edges = np.append(HISTOGRAM_EDGES[lo:hi], right[hi - 1])
+        axes.stairs(counts[lo:hi], np.maximum(edges, 0.5), fill=True)
+        axes.set_xscale("log")
+    axes.set_xlabel("tokens per document (log scale)")
+    axes.set_ylabel("documents")
+    axes.set_title(
+        f"{total['documents']:,} documents, {total['tokens']:,} tokens, "
+        f"mean {total['tokens'] / max(total['documents'], 1):,.1f} per document"
+    )
+    figure.tight_layout()
+    with atomic_writer(path) as handle:
+        figure.savefig(handle, format="png")
+
+
+@task(name="encode", cache_policy=NO_CACHE)
+def encode_task(
+    cfg: EncodeConfig, ray_cfg: RayConfig, ingest_dir: str, tokenizer_dir: str, workspace: str
+) -> dict[str, Any]:
+    """Encode the corpus into token shards (or reuse a complete output); return its summary."""
+    logger = get_run_logger()
+    result = run_encode(
+        cfg, ray_cfg, Path(ingest_dir), Path(tokenizer_dir), Path(workspace), make_reporter(logger)
+    )
+    metrics = result.manifest["metrics"]
+    logger.info(
+        "encode %s: %s, %s documents, %s tokens, %.2f characters per token, unknown rate %.2e",
+        result.manifest["fingerprint"],
+        "reused" if result.reused else "built",
+        metrics["documents"],
+        metrics["tokens"],
+        metrics["characters_per_token"],
+        metrics["unknown_rate"],
+    )
+    return result.summary()

@@ -1,0 +1,117 @@
+"""What every stage output shares: its result handle, manifest checks and directory commits.
+
+A stage writes `<workspace>/<stage>/<fingerprint>/` with `manifest.json` last. An output is
+complete when its manifest exists and every file it lists has the recorded size; anything else
+is rebuilt (or resumed, where the stage stages its parts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.io import safe_join, sha256_file
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """Where a stage's output is, its manifest, and whether it was reused as it was."""
+
+    path: Path
+    manifest: dict[str, Any]
+    reused: bool
+
+    def summary(self) -> dict[str, Any]:
+        """The small dict a Prefect task returns: stage, path, fingerprint, reused."""
+        return {
+            "stage": self.manifest["stage"],
+            "path": str(self.path),
+            "fingerprint": self.manifest["fingerprint"],
+            "reused": self.reused,
+        }
+
+
+class StageInputError(ValueError):
+    """An upstream output is missing, incomplete or of the wrong stage."""
+
+
+def file_entry(root: Path, path: Path) -> dict[str, Any]:
+    """Describe one output file for a manifest: name relative to `root`, bytes, sha256."""
+    return {
+        "name": path.relative_to(root).as_posix(),
+        "bytes": path.stat().st_size,
+        "sha256": sha256_file(path),
+    }
+
+
+def files_complete(out: Path, entries: list[dict[str, Any]]) -> bool:
+    """True when every listed file exists under `out` with its recorded size."""
+    for entry in entries:
+        path = safe_join(out, entry["name"], what="manifest file")
+        if not path.is_file() or path.stat().st_size != entry["bytes"]:
+            return False
+    return True
+
+
+def complete_manifest(out: Path, files_key: str = "files") -> dict[str, Any] | None:
+    """Return the manifest of `out` if the output is complete, else None."""
+    path = out / "manifest.json"
+    if not path.is_file():
+        return None
+    manifest: dict[str, Any] = json.loads(path.read_text())
+    return manifest if files_complete(out, manifest[files_key]) else None
+
+
+def read_upstream(path: Path | str, stage: str) -> dict[str, Any]:
+    """Load the manifest of a finished upstream output, checking its stage.
+
+    Raises:
+        StageInputError: no manifest there (not run, or interrupted), or another stage's.
+    """
+    manifest_path = Path(path) / "manifest.json"
+    if not manifest_path.is_file():
+        raise StageInputError(f"{manifest_path}: no {stage} output here (not run or unfinished)")
+    manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+    if manifest.get("stage") != stage:
+        raise StageInputError(f"{manifest_path}: a {manifest.get('stage')!r} output, not {stage}")
+    return manifest
+
+
+def shards_of(
+    manifest: dict[str, Any], split: str | None = None
+) -> list[tuple[str, dict[str, Any]]]:
+    """List `(split, shard entry)` of a sharded output, in split then shard order."""
+    return [
+        (name, shard)
+        for name, entry in manifest["splits"].items()
+        if split is None or name == split
+        for shard in entry["shards"]
+    ]
+
+
+def temp_dir_beside(out: Path) -> Path:
+    """Create an empty temp directory next to `out`, to be committed with `commit_dir`."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_dir(tmp: Path, out: Path) -> None:
+    """Move a fully written temp directory to `out`, replacing an incomplete leftover there."""
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def remove_stale_temps(out: Path) -> None:
+    """Delete the temp directories and files that killed runs of `out` left beside it."""
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)

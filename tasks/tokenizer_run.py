@@ -1,0 +1,170 @@
+"""The tokenizer stage: train (or load) the configured tokenizer and save it for `transformers`.
+
+Layout of one output, `<workspace>/tokenizer/<fingerprint>/`: the files of
+`PreTrainedTokenizerFast.save_pretrained` (`tokenizer.json`, `tokenizer_config.json`, ...) and
+`manifest.json`. The directory is built under a temp name and renamed when complete. The
+fingerprint covers the ingest output it trains on (or the bytes of your own files), the config
+and the code, so the same corpus and config reuse the output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from tasks import schema
+from tasks.io import (
+    code_version,
+    fingerprint,
+    public_dump,
+    read_ipc_stream,
+    safe_join,
+    sha256_file,
+    write_json_atomic,
+)
+from tasks.stage import (
+    StageResult,
+    commit_dir,
+    complete_manifest,
+    file_entry,
+    read_upstream,
+    remove_stale_temps,
+    shards_of,
+    temp_dir_beside,
+)
+from tasks.tokenizer import (
+    TokenizerConfig,
+    load_tokenizer_files,
+    padded_vocab_size,
+    sentinels,
+    special_tokens,
+    to_transformers,
+    train_tokenizer,
+)
+
+STAGE = "tokenizer"
+TRAIN_SPLIT = "train"
+_BATCH_ROWS = 1000
+
+
+def sample_rows(total: int, sample: int | None) -> np.ndarray | None:
+    """Row numbers of `sample` documents evenly spaced over `total`; None means all of them."""
+    if sample is None or sample >= total:
+        return None
+    return (np.arange(sample, dtype=np.int64) * total) // sample
+
+
+def training_texts(
+    ingest_dir: Path, manifest: dict[str, Any], sample: int | None, counter: dict[str, int]
+) -> Iterator[list[str]]:
+    """Stream the train split's texts in batches, shard by shard (memory-mapped).
+
+    Only the sampled rows of each shard are taken; `counter` accumulates documents and
+    characters as they are yielded.
+    """
+    shards = shards_of(manifest, TRAIN_SPLIT)
+    picks = sample_rows(sum(s["rows"] for _, s in shards), sample)
+    base = 0
+    for _, shard in shards:
+        table = read_ipc_stream(safe_join(ingest_dir, shard["name"]), [schema.TEXT])
+        if picks is not None:
+            local = picks[(picks >= base) & (picks < base + shard["rows"])] - base
+            table = table.take(pa.array(local))
+        base += shard["rows"]
+        for start in range(0, table.num_rows, _BATCH_ROWS):
+            texts: list[str] = table.column(0).slice(start, _BATCH_ROWS).to_pylist()
+            counter["documents"] += len(texts)
+            counter["characters"] += sum(map(len, texts))
+            yield texts
+
+
+def _own_files(cfg: TokenizerConfig) -> dict[str, Any]:
+    assert cfg.pretrained is not None
+    files = {k: v for k, v in cfg.pretrained.model_dump().items() if v is not None}
+    return {k: {"path": v, "sha256": sha256_file(Path(v))} for k, v in files.items()}
+
+
+def run_tokenizer(cfg: TokenizerConfig, ingest_dir: Path, workspace: Path) -> StageResult:
+    """Train the tokenizer on an ingest output's train split (or load your own files).
+
+    A complete output with the same fingerprint is reused as it is.
+    """
+    started = time.monotonic()
+    ingest = read_upstream(ingest_dir, "ingest")
+    inputs = (
+        {"files": _own_files(cfg)}
+        if cfg.pretrained is not None
+        else {"ingest": ingest["fingerprint"], "split": TRAIN_SPLIT}
+    )
+    config = public_dump(cfg)
+    code = code_version("tasks")
+    fp = fingerprint({"inputs": inputs, "config": config, "code": code["source_hash"]})
+    out = workspace / STAGE / fp
+    manifest = complete_manifest(out)
+    if manifest is not None:
+        return StageResult(out, manifest, reused=True)
+    remove_stale_temps(out)
+    tmp = temp_dir_beside(out)
+    counter = {"documents": 0, "characters": 0}
+    clock = time.monotonic()
+    if cfg.pretrained is not None:
+        tok = load_tokenizer_files(cfg.pretrained, cfg)
+    else:
+        tok = train_tokenizer(
+            training_texts(ingest_dir, ingest, cfg.sample_documents, counter), cfg
+        )
+    training_s = time.monotonic() - clock
+    to_transformers(tok, cfg).save_pretrained(tmp)
+    files = [file_entry(tmp, p) for p in sorted(tmp.iterdir())]
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    metrics = {
+        "vocab_size": vocab,
+        "padded_vocab_size": padded_vocab_size(tok, cfg),
+        "training_s": round(training_s, 3),
+        "documents": counter["documents"],
+        "characters": counter["characters"],
+    }
+    manifest = {
+        "stage": STAGE,
+        "schema_version": schema.SCHEMA_VERSION,
+        "fingerprint": fp,
+        "config": config,
+        "code": code,
+        "inputs": inputs,
+        "ingest": {"fingerprint": ingest["fingerprint"], "path": str(ingest_dir)},
+        "special_tokens": {t: tok.token_to_id(t) for t in [*special_tokens(cfg), *sentinels(cfg)]},
+        "tags": {"tokenizer_sha256": sha256_file(tmp / "tokenizer.json")},
+        "files": files,
+        "artifacts": [f["name"] for f in files],
+        "metrics": metrics | {"elapsed_s": round(time.monotonic() - started, 3)},
+    }
+    write_json_atomic(tmp / "manifest.json", manifest)
+    commit_dir(tmp, out)
+    return StageResult(out, manifest, reused=False)
+
+
+@task(name="tokenizer", cache_policy=NO_CACHE)
+def tokenizer_task(cfg: TokenizerConfig, ingest_dir: str, workspace: str) -> dict[str, Any]:
+    """Train (or load) the tokenizer, or reuse a complete output; return its summary.
+
+    Caching is the fingerprint check in `run_tokenizer` (one mechanism for every stage).
+    """
+    result = run_tokenizer(cfg, Path(ingest_dir), Path(workspace))
+    metrics = result.manifest["metrics"]
+    get_run_logger().info(
+        "tokenizer %s: %s, %s tokens (%s padded), trained in %s s on %s documents",
+        result.manifest["fingerprint"],
+        "reused" if result.reused else "built",
+        metrics["vocab_size"],
+        metrics["padded_vocab_size"],
+        metrics["training_s"],
+        metrics["documents"],
+    )
+    return result.summary()
