@@ -38,6 +38,12 @@ class EncodeConfig(BaseModel):
         le=1_000_000,
         description="Documents per `encode_batch` call and per record batch written.",
     )
+    shard_documents: int = Field(
+        16_384,
+        ge=1,
+        description="Documents per token shard, and per Ray task: an ingest shard is cut "
+        "into parts of this size so that every worker has work.",
+    )
     dtype: Literal["auto", "uint16", "uint32"] = Field(
         "auto", description="Id type of the shards; auto: uint16 when the vocabulary fits."
     )
@@ -103,7 +109,7 @@ def encode_documents(table: pa.Table, tok: Tokenizer, ids: pa.DataType) -> pa.Ta
     )
     # encode_batch_fast skips the offsets, which are not needed: sentences are encoded apart.
     encodings = tok.encode_batch_fast(segments, add_special_tokens=False)
-    lengths = np.fromiter((len(e.ids) for e in encodings), np.int64, len(encodings))
+    lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))  # no id lists built
     flat = np.fromiter(chain.from_iterable(e.ids for e in encodings), np.uint32, int(lengths.sum()))
     sentence_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     doc_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
@@ -167,9 +173,11 @@ def merge_stats(total: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class EncodeJob:
-    """One ingest shard to encode into one token shard."""
+    """Rows `[start, stop)` of one ingest shard, to encode into one token shard."""
 
     src: str
+    start: int
+    stop: int
     dst: str
     stats: str
     tokenizer: str
@@ -184,9 +192,9 @@ def _load_tokenizer(path: str) -> Tokenizer:
 
 
 def encode_shard(job: EncodeJob) -> dict[str, Any]:
-    """Encode one ingest shard into a token shard; return its statistics and file entry.
+    """Encode rows of one ingest shard into a token shard; return its statistics and file entry.
 
-    The shard is read by memory map and encoded `batch_documents` at a time, each batch written
+    The rows are read by memory map and encoded `batch_documents` at a time, each batch written
     as it is done. The statistics JSON is written last, so a shard with statistics is complete
     and a rerun after a crash skips it.
     """
@@ -196,6 +204,7 @@ def encode_shard(job: EncodeJob) -> dict[str, Any]:
     tok = _load_tokenizer(job.tokenizer)
     ids = pa.uint16() if job.ids == "uint16" else pa.uint32()
     docs = read_ipc_stream(Path(job.src), [schema.DOC_ID, schema.TEXT, schema.SENTENCES])
+    docs = docs.slice(job.start, job.stop - job.start)
     stats: dict[str, Any] = {}
     with atomic_writer(dst) as handle, pa.ipc.new_stream(handle, schema.tokens_schema(ids)) as out:
         for start in range(0, docs.num_rows, job.cfg.batch_documents):

@@ -1,9 +1,10 @@
-"""The encode stage driver: every ingest shard → a token shard, on Ray; statistics; manifest.
+"""The encode stage driver: ingest shards → token shards, on Ray; statistics; manifest.
 
-Layout of one output, `<workspace>/encode/<fingerprint>/`: one token shard per ingest shard,
-under the same name (`train-g0-00000.arrow`, ...), `tokens_per_document.png` and
-`manifest.json`, written last. `_staging/` holds each finished shard's statistics while a run
-is in progress, so an interrupted run resumes with the shards it had not finished.
+Layout of one output, `<workspace>/encode/<fingerprint>/`: token shards named after the ingest
+shard they come from and their part (`train-g0-00000-p0000.arrow` holds that shard's first
+`shard_documents` documents, ...), `tokens_per_document.png` and `manifest.json`, written
+last. `_staging/` holds each finished shard's statistics while a run is in progress, so an
+interrupted run resumes with the shards it had not finished.
 """
 
 from __future__ import annotations
@@ -78,19 +79,28 @@ def run_encode(
     tok_file = tokenizer_dir / "tokenizer.json"
     tok = Tokenizer.from_file(str(tok_file))
     ids = id_type(tok.get_vocab_size(with_added_tokens=True), cfg)
-    shards = shards_of(ingest)
-    jobs = [
-        EncodeJob(
-            src=str(safe_join(ingest_dir, shard["name"], what="ingest shard")),
-            dst=str(safe_join(out, shard["name"], what="token shard")),
-            stats=str(staging / f"{shard['name']}.json"),
-            tokenizer=str(tok_file),
-            ids=str(ids),
-            unk_id=unknown_id(tok),
-            cfg=cfg,
-        )
-        for _, shard in shards
+    unk_id = unknown_id(tok)
+    parts = [
+        (split, shard, start, min(start + cfg.shard_documents, shard["rows"]), k)
+        for split, shard in shards_of(ingest)
+        for k, start in enumerate(range(0, max(shard["rows"], 1), cfg.shard_documents))
     ]
+    jobs = []
+    for _, shard, start, stop, k in parts:
+        name = f"{shard['name'].removesuffix('.arrow')}-p{k:04d}.arrow"
+        jobs.append(
+            EncodeJob(
+                src=str(safe_join(ingest_dir, shard["name"], what="ingest shard")),
+                start=start,
+                stop=stop,
+                dst=str(safe_join(out, name, what="token shard")),
+                stats=str(staging / f"{name}.json"),
+                tokenizer=str(tok_file),
+                ids=str(ids),
+                unk_id=unk_id,
+                cfg=cfg,
+            )
+        )
     ensure_ray(ray_cfg)
     done = [0]
 
@@ -104,9 +114,17 @@ def run_encode(
         name: {"rows": 0, "tokens": 0, "shards": []} for name in ingest["splits"]
     }
     total: dict[str, Any] = {}
-    for (split, shard), stats in zip(shards, results, strict=True):
-        entry = {"name": shard["name"], "rows": stats["documents"], "tokens": stats["tokens"]}
-        splits[split]["shards"].append(entry | {"bytes": stats["bytes"], "sha256": stats["sha256"]})
+    for (split, shard, start, stop, _), job, stats in zip(parts, jobs, results, strict=True):
+        splits[split]["shards"].append(
+            {
+                "name": Path(job.dst).name,
+                "rows": stats["documents"],
+                "tokens": stats["tokens"],
+                "bytes": stats["bytes"],
+                "sha256": stats["sha256"],
+                "source": {"shard": shard["name"], "start": start, "stop": stop},
+            }
+        )
         splits[split]["rows"] += stats["documents"]
         splits[split]["tokens"] += stats["tokens"]
         total = merge_stats(total, {k: v for k, v in stats.items() if k not in ("bytes", "sha256")})

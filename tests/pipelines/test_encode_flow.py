@@ -44,7 +44,7 @@ def recipe(shared_data: Path, tmp_path_factory: pytest.TempPathFactory, mlflow_u
             "shard_size_mb": 0.5,
         },
         "tokenizer": {"vocab_size": 4000, "model_max_length": 256},
-        "encode": {"batch_documents": 700},
+        "encode": {"batch_documents": 300, "shard_documents": 700},
     }
     path.write_text(yaml.safe_dump(config))
     return path
@@ -61,9 +61,10 @@ def shard_pairs(stages: dict[str, Any]) -> list[tuple[pa.Table, pa.Table]]:
     pairs = []
     for entry in manifest["splits"].values():
         for shard in entry["shards"]:
-            pairs.append(
-                (read_ipc_stream(ingest / shard["name"]), read_ipc_stream(encode / shard["name"]))
-            )
+            source = shard["source"]
+            docs = read_ipc_stream(ingest / source["shard"])
+            part = docs.slice(source["start"], source["stop"] - source["start"])
+            pairs.append((part, read_ipc_stream(encode / shard["name"])))
     return pairs
 
 
@@ -112,6 +113,14 @@ def test_lmpipe_encode_bpe_end_to_end_reuse_and_rebuild(recipe: Path, mlflow_uri
     assert sum(manifest["histogram"]["documents"]) == documents
     for split, entry in manifest["splits"].items():
         assert entry["rows"] == ingest["splits"][split]["rows"]
+        # The parts of each ingest shard cover its rows in order, without gaps.
+        covered: dict[str, int] = {}
+        for shard in entry["shards"]:
+            source = shard["source"]
+            assert source["start"] == covered.get(source["shard"], 0)
+            covered[source["shard"]] = source["stop"]
+        assert covered == {s["name"]: s["rows"] for s in ingest["splits"][split]["shards"]}
+    assert len(manifest["splits"]["train"]["shards"]) > len(ingest["splits"]["train"]["shards"])
 
     # MLflow: the tokenizer as an artifact with its hash, vocab size and training time.
     client = MlflowClient(mlflow_uri)

@@ -1,0 +1,359 @@
+"""Tokenizer training and corpus encoding: lmpipe's stages against the libraries called alone.
+
+Usage: python bench/tokenizer_encode.py [--mb 110] [--vocab 30000] [--out bench/results]
+
+Builds a JSON-Lines corpus of at least --mb MiB from the real texts in ../shared/data (random
+windows of consecutive sentences of the Gutenberg books, Tiny Shakespeare and the IMDB
+reviews), ingests it once, then measures, on the same documents:
+
+(a) encoding, tokens/s: the whole `encode` stage (read shards, encode, write token shards, on
+    a local Ray with one worker per core) against `Tokenizer.encode_batch` alone on the
+    documents already in memory (all cores), and against
+    `datasets.Dataset.map(tokenizer, batched=True, num_proc=<cores>)`;
+(b) training time: the `tokenizer` stage (streaming the train split from the shards) against
+    the trainer called on the documents already in a Python list, per family; for Unigram,
+    also sentencepiece against the `tokenizers` Unigram trainer;
+(c) the peak memory of each: every measurement runs in a fresh subprocess, and the summed RSS
+    of it and all its children (Ray, datasets workers) is sampled every 0.1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "data"
+
+import psutil  # noqa: E402 - after the environment and sys.path set-up above
+import pyarrow as pa  # noqa: E402
+
+from tasks import schema  # noqa: E402
+from tasks.io import read_ipc_stream  # noqa: E402
+from tasks.stage import shards_of  # noqa: E402
+from tasks.text import SentenceConfig, split_sentences  # noqa: E402
+
+CORES = os.cpu_count() or 1
+
+
+def real_sentences() -> list[list[str]]:
+    """Sentences of each real text in ../shared/data, one list per source document."""
+    texts = []
+    for book in sorted((SHARED / "gutenberg_books").glob("*.txt")):
+        raw = book.read_text(encoding="utf-8-sig").replace("\r\n", "\n")
+        texts.append(" ".join(raw.split()))
+    texts.append(" ".join((SHARED / "tiny_shakespeare" / "input.txt").read_text().split()))
+    with open(SHARED / "imdb_sample" / "texts.csv", newline="", encoding="utf-8") as handle:
+        texts += [row["text"] for row in csv.DictReader(handle)]
+    column = split_sentences(pa.array(texts, pa.large_string()), SentenceConfig())
+    return [s for s in column.to_pylist() if s]
+
+
+def write_corpus(path: Path, mib: int, seed: int = 0) -> Path:
+    """Write documents of 4-40 consecutive real sentences (random windows) until `mib` MiB."""
+    if path.exists() and path.stat().st_size >= mib << 20:
+        return path
+    rng = random.Random(seed)
+    sources = real_sentences()
+    weights = [len(s) for s in sources]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
+    with open(path, "w", encoding="utf-8") as handle:
+        while written < mib << 20:
+            lines = []
+            for _ in range(1000):
+                sents = rng.choices(sources, weights)[0]
+                size = rng.randint(4, 40)
+                start = rng.randrange(max(len(sents) - size, 1))
+                lines.append(json.dumps({"text": " ".join(sents[start : start + size])}))
+            block = "\n".join(lines) + "\n"
+            handle.write(block)
+            written += len(block.encode())
+    return path
+
+
+def documents(ingest: Path, split: str | None) -> list[str]:
+    """The ingested texts of one split (or all), in shard order, as a Python list."""
+    manifest = json.loads((ingest / "manifest.json").read_text())
+    texts: list[str] = []
+    for _, shard in shards_of(manifest, split):
+        texts += read_ipc_stream(ingest / shard["name"], [schema.TEXT]).column(0).to_pylist()
+    return texts
+
+
+def tokenizer_config(family: str, vocab: int, trainer: str = "sentencepiece") -> Any:
+    from tasks.tokenizer import TokenizerConfig
+
+    return TokenizerConfig(
+        family="unigram" if family.startswith("unigram") else family,  # type: ignore[arg-type]
+        vocab_size=vocab,
+        lowercase=family == "wordpiece",
+        unigram_trainer=trainer,  # type: ignore[arg-type]
+    )
+
+
+# ---- phases: each runs in its own process and prints one JSON line ---------------------------
+
+
+def phase_ingest(args: argparse.Namespace) -> dict[str, Any]:
+    from tasks.ingest import IngestConfig
+    from tasks.ingest_run import run_ingest
+    from tasks.ray_runtime import RayConfig
+    from tasks.sources import SourceConfig
+
+    cfg = IngestConfig(
+        sources=[SourceConfig(path=str(args.corpus), format="jsonl")],
+        dedup={"near": {"enabled": False}},  # type: ignore[arg-type]
+        shard_size_mb=64,
+        unit_size_mb=32,
+    )
+    start = time.perf_counter()
+    result = run_ingest(cfg, RayConfig(num_workers=CORES), args.work / "ws")
+    counts = result.manifest["counts"]
+    return {
+        "path": str(result.path),
+        "elapsed_s": time.perf_counter() - start,
+        "documents": counts["kept"],
+        "train_documents": result.manifest["splits"]["train"]["rows"],
+    }
+
+
+def phase_train_stage(args: argparse.Namespace) -> dict[str, Any]:
+    from tasks.tokenizer_run import run_tokenizer
+
+    cfg = tokenizer_config(args.family, args.vocab)
+    workspace = args.work / f"ws-{args.family}"
+    shutil.rmtree(workspace, ignore_errors=True)  # measure a build, never a cache hit
+    start = time.perf_counter()
+    result = run_tokenizer(cfg, args.ingest, workspace)
+    metrics = result.manifest["metrics"]
+    return {
+        "elapsed_s": time.perf_counter() - start,
+        "training_s": metrics["training_s"],
+        "documents": metrics["documents"],
+        "vocab_size": metrics["vocab_size"],
+        "path": str(result.path),
+    }
+
+
+def phase_train_direct(args: argparse.Namespace) -> dict[str, Any]:
+    from tasks.tokenizer import train_sentencepiece, train_tokenizer
+
+    start = time.perf_counter()
+    texts = documents(args.ingest, "train")
+    load_s = time.perf_counter() - start
+    start = time.perf_counter()
+    if args.family == "unigram-sentencepiece-only":  # sentencepiece alone, no conversion
+        train_sentencepiece(texts, tokenizer_config("unigram", args.vocab))
+        vocab = None
+    else:
+        trainer = "tokenizers" if args.family == "unigram-tokenizers" else "sentencepiece"
+        tok = train_tokenizer(texts, tokenizer_config(args.family, args.vocab, trainer))
+        vocab = tok.get_vocab_size()
+    return {
+        "elapsed_s": time.perf_counter() - start,
+        "load_s": load_s,
+        "documents": len(texts),
+        "vocab_size": vocab,
+    }
+
+
+def phase_encode_stage(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from tasks.encode import EncodeConfig
+    from tasks.encode_run import run_encode
+    from tasks.ray_runtime import RayConfig, ensure_ray
+
+    ray_cfg = RayConfig(num_workers=CORES)
+    shutil.rmtree(args.work / "ws-enc", ignore_errors=True)
+    start = time.perf_counter()
+    ensure_ray(ray_cfg)
+    ray_start_s = time.perf_counter() - start
+    start = time.perf_counter()
+    result = run_encode(EncodeConfig(), ray_cfg, args.ingest, args.tokenizer, args.work / "ws-enc")
+    elapsed = time.perf_counter() - start
+    ray.shutdown()
+    metrics = result.manifest["metrics"]
+    return {
+        "elapsed_s": elapsed,
+        "ray_start_s": ray_start_s,
+        "tokens": metrics["tokens"],
+        "documents": metrics["documents"],
+        "tokens_per_s": metrics["tokens"] / elapsed,
+    }
+
+
+def phase_encode_floor(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+    texts = documents(args.ingest, None)
+    tokens = 0
+    start = time.perf_counter()
+    for at in range(0, len(texts), 10_000):  # batches, so that Encodings do not pile up
+        tokens += sum(len(e) for e in tok.encode_batch(texts[at : at + 10_000], False))
+    elapsed = time.perf_counter() - start
+    return {
+        "elapsed_s": elapsed,
+        "tokens": tokens,
+        "documents": len(texts),
+        "tokens_per_s": tokens / elapsed,
+    }
+
+
+def phase_encode_datasets(args: argparse.Namespace) -> dict[str, Any]:
+    import datasets
+    import pyarrow.compute as pc
+    from transformers import AutoTokenizer
+
+    manifest = json.loads((args.ingest / "manifest.json").read_text())
+    parts = [
+        datasets.Dataset.from_file(str(args.ingest / s["name"])) for _, s in shards_of(manifest)
+    ]
+    corpus = datasets.concatenate_datasets(parts).select_columns([schema.TEXT])
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    cache = args.work / "datasets-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    encoded = corpus.map(
+        lambda batch: tok(batch[schema.TEXT]),
+        batched=True,
+        num_proc=CORES,
+        remove_columns=[schema.TEXT],
+        cache_file_name=str(cache / "map.arrow"),
+        load_from_cache_file=False,
+    )
+    elapsed = time.perf_counter() - start
+    lengths = pc.list_value_length(encoded.data.column("input_ids"))
+    tokens = int(pc.sum(lengths).as_py())
+    return {
+        "elapsed_s": elapsed,
+        "tokens": tokens,
+        "documents": len(encoded),
+        "tokens_per_s": tokens / elapsed,
+    }
+
+
+PHASES = {
+    "ingest": phase_ingest,
+    "train-stage": phase_train_stage,
+    "train-direct": phase_train_direct,
+    "encode-stage": phase_encode_stage,
+    "encode-floor": phase_encode_floor,
+    "encode-datasets": phase_encode_datasets,
+}
+
+
+# ---- the orchestrator ---------------------------------------------------------------------
+
+
+def run_phase(name: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    """Run one phase in a fresh process; return its JSON line plus its tree's peak RSS."""
+    argv = [sys.executable, __file__, "--phase", name, "--work", str(args.work)]
+    argv += ["--vocab", str(args.vocab)]
+    for key, value in extra.items():
+        argv += [f"--{key}", str(value)]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    peak = 0
+    root = psutil.Process(process.pid)
+
+    def sample() -> None:
+        nonlocal peak
+        while process.poll() is None:
+            total = 0
+            with contextlib.suppress(psutil.Error):
+                for proc in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):
+                        total += proc.memory_info().rss
+            peak = max(peak, total)
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, _ = process.communicate()
+    sampler.join()
+    if process.returncode != 0:
+        raise SystemExit(f"phase {name} {extra} failed with exit code {process.returncode}")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    result |= {"phase": name, **extra, "peak_rss_mib": round(peak / 2**20)}
+    print(json.dumps(result, default=str), flush=True)
+    return result
+
+
+def orchestrate(args: argparse.Namespace) -> None:
+    corpus = write_corpus(args.work / f"corpus-{args.mb}.jsonl", args.mb)
+    machine = {
+        "cpus": CORES,
+        "mem_gib": round(psutil.virtual_memory().total / 2**30),
+        "python": platform.python_version(),
+        "corpus_mib": round(corpus.stat().st_size / 2**20, 1),
+    }
+    results: dict[str, Any] = {"machine": machine, "vocab": args.vocab}
+    ingest = run_phase("ingest", args, corpus=corpus)
+    results["ingest"] = ingest
+    training = []
+    for family in ("wordpiece", "bpe", "unigram"):
+        stage = run_phase("train-stage", args, ingest=ingest["path"], family=family)
+        direct = run_phase("train-direct", args, ingest=ingest["path"], family=family)
+        training.append({"family": family, "stage": stage, "direct": direct})
+        if family == "bpe":
+            bpe_dir = stage["path"]
+    for family in ("unigram-sentencepiece-only", "unigram-tokenizers"):
+        direct = run_phase("train-direct", args, ingest=ingest["path"], family=family)
+        training.append({"family": family, "direct": direct})
+    results["training"] = training
+    results["encode"] = {
+        name: run_phase(name, args, ingest=ingest["path"], tokenizer=bpe_dir)
+        for name in ("encode-stage", "encode-floor", "encode-datasets")
+    }
+    out = args.out / "tokenizer_encode.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+    enc = results["encode"]
+    floor, ds = enc["encode-floor"]["tokens_per_s"], enc["encode-datasets"]["tokens_per_s"]
+    stage = enc["encode-stage"]["tokens_per_s"]
+    print(f"encode: stage/floor {stage / floor:.2f}x, stage/datasets.map {stage / ds:.2f}x")
+    for row in training:
+        if "stage" in row:
+            ratio = row["stage"]["elapsed_s"] / row["direct"]["elapsed_s"]
+            print(f"train {row['family']}: stage/direct {ratio:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mb", type=int, default=110)
+    parser.add_argument("--vocab", type=int, default=30_000)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--work", type=Path, default=Path("bench/results/tokenizer_work"))
+    parser.add_argument("--phase", choices=sorted(PHASES))
+    parser.add_argument("--corpus", type=Path)
+    parser.add_argument("--ingest", type=Path)
+    parser.add_argument("--tokenizer", type=Path)
+    parser.add_argument("--family")
+    args = parser.parse_args()
+    args.work = args.work.resolve()
+    if args.phase:
+        print(json.dumps(PHASES[args.phase](args), default=str), flush=True)
+    else:
+        orchestrate(args)
+
+
+if __name__ == "__main__":
+    main()
