@@ -113,7 +113,8 @@ def test_counter_uniform_is_uniform_in_unit_interval() -> None:
     expected = u.size / 100
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 99 + 5 * math.sqrt(2 * 99)  # dof 99: mean 99, sd 14.1
-    ks = np.abs(np.sort(u) - np.arange(1, u.size + 1) / u.size).max()
+    s, i = np.sort(u), np.arange(u.size)
+    ks = max((((i + 1) / u.size) - s).max(), (s - i / u.size).max())  # sup |ECDF - x|
     assert ks * math.sqrt(u.size) < 1.95  # Kolmogorov: P(> 1.95) ~ 0.001
 
 
@@ -365,6 +366,50 @@ def test_random_spans_helper_reproduces_the_reference_cases(t5_cases: dict[str, 
             case["extra_tokens_per_span_targets"],
         )
         assert got == tuple(case["expected"])
+
+
+def lengths_by_definition(raw: int, density: float, mean: float) -> tuple[int, int]:
+    """(inputs, targets) lengths of a raw length, word for word from the reference JSON."""
+    num_noise = round(raw * density)
+    num_spans = round(num_noise / mean)
+    return raw - num_noise + num_spans + 1, num_noise + num_spans + 1
+
+
+GRID = [
+    (inputs, density, mean)
+    for inputs in (5, 20, 64, 101, 512, 513)
+    for density in (0.1, 0.15, 0.25, 0.5)
+    for mean in (1.0, 2.0, 3.0)
+]
+
+
+def test_random_spans_helper_follows_the_reference_definition_with_bankers_rounding() -> None:
+    for inputs, density, mean in GRID:
+        fits = [
+            t
+            for t in range(inputs - 1, 3 * inputs)
+            if lengths_by_definition(t, density, mean)[0] <= inputs
+        ]
+        raw = max([inputs - 1, *fits])
+        targets = lengths_by_definition(raw, density, mean)[1]
+        if density == 0.5 and targets > lengths_by_definition(raw, density, mean)[0]:
+            raw, targets = raw - 1, targets - 1
+        assert random_spans_helper(inputs, density, mean) == (raw, targets), (inputs, density)
+    # Ties go to even: 10 * 0.25 = 2.5 noise tokens round to 2 (half-up would say 3 and 7).
+    assert random_spans_helper(11, 0.25, 1.0) == (10, 5)
+
+
+def test_span_corrupt_lengths_are_the_ones_the_helper_promises() -> None:
+    # From 20 tokens on no count needs T5's clipping to at least one noise token and span.
+    for inputs, density, mean in [case for case in GRID if case[0] >= 20]:
+        raw, targets = random_spans_helper(inputs, density, mean)
+        tokens = np.random.default_rng(inputs).integers(5, 32_000, (3, raw))
+        cfg = SpanConfig(noise_density=density, mean_noise_span_length=mean)
+        got_in, got_tg, _ = span_corrupt(
+            tokens, sample_keys(0, 0, np.arange(3)), cfg, SENTINEL_TOP, EOS
+        )
+        assert got_in.shape[1] == lengths_by_definition(raw, density, mean)[0] <= inputs
+        assert got_tg.shape[1] <= targets if density == 0.5 else got_tg.shape[1] == targets
 
 
 def test_span_corrupt_fills_the_published_512_and_114(t5_cases: dict[str, Any]) -> None:
