@@ -547,7 +547,12 @@ def span_corrupt(
     t = np.asarray(tokens)
     if t.ndim != 2:
         raise ValueError(f"tokens must be (N, raw_length), got {t.shape}")
-    noise = noise_span_mask(t.shape[1], _check_keys(keys, t.shape[0]), cfg)  # (N, raw)
+    k = _check_keys(keys, t.shape[0])
+    if t.shape[0] == 0:  # an empty batch still gets the widths that every row has
+        row = np.zeros((1, t.shape[1]), dtype=t.dtype)
+        one = span_corrupt(row, np.zeros(1, dtype=np.uint64), cfg, sentinel_top, eos_id)
+        return one[0][:0], one[1][:0], one[2][:0]
+    noise = noise_span_mask(t.shape[1], k, cfg)  # (N, raw)
     eos = np.full((t.shape[0], 1), eos_id, dtype=t.dtype)
     inputs = noise_span_to_unique_sentinel(t, noise, sentinel_top + 1)  # (N, I - 1)
     targets = nonnoise_span_to_unique_sentinel(t, noise, sentinel_top + 1)  # (N, T - 1)

@@ -431,6 +431,8 @@ def test_span_corrupt_fills_the_published_512_and_114(t5_cases: dict[str, Any]) 
     assert inputs.shape == (16, 512)
     assert targets.shape == (16, 114)
     assert noise.shape == (16, 568)
+    empty = span_corrupt(tokens[:0], sample_keys(0, 0, np.arange(0)), cfg, SENTINEL_TOP, EOS)
+    assert [a.shape for a in empty] == [(0, 512), (0, 114), (0, 568)]
 
 
 def test_noise_span_mask_reference_facts(t5_cases: dict[str, Any]) -> None:
