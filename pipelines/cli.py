@@ -64,11 +64,26 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens-per-document histogram, under <workspace>/encode/<fingerprint>/.",
     )
     _add_config_args(encode)
+    examples = sub.add_parser(
+        "examples",
+        help="the stages before (reused when done), then pretraining examples; "
+        "`examples inspect CONFIG` prints a few",
+        description="Cut the encoded train and validation splits into examples of "
+        "examples.objective (bert, sop, roberta, causal, span_corruption) on Ray, under "
+        "<workspace>/examples/<fingerprint>/. `lmpipe examples inspect CONFIG [--count N]` "
+        "prints N decoded examples with masks, segments, spans and sentinels made visible.",
+    )
+    examples.add_argument(
+        "config", type=Path, help="YAML recipe, or the word 'inspect' followed by the recipe"
+    )
+    examples.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
+    examples.add_argument("--count", type=int, default=3, help="inspect: examples to print")
     run = sub.add_parser(
         "run",
         help="the whole pipeline, every stage that exists, on one config",
-        description="Run the `pipeline` Prefect flow: ingest → tokenizer → encode so far; "
-        "later stages join it. Stages whose inputs, config and code are unchanged are reused.",
+        description="Run the `pipeline` Prefect flow: ingest → tokenizer → encode → examples "
+        "so far; later stages join it. Stages whose inputs, config and code are unchanged are "
+        "reused.",
     )
     _add_config_args(run)
     show = sub.add_parser(
@@ -96,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo-corpus":
         return _demo_corpus(args.out, args.seed, args.documents)
+    inspect = args.command == "examples" and str(args.config) == "inspect"
+    if inspect:
+        if not args.overrides:
+            console.print("[red]error:[/red] usage: lmpipe examples inspect CONFIG [KEY=VALUE]")
+            return 2
+        args.config, args.overrides = Path(args.overrides[0]), args.overrides[1:]
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
@@ -110,9 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         "ingest": _run_ingest,
         "tokenizer": _run_tokenizer,
         "encode": _run_encode,
+        "examples": _run_examples,
         "run": _run_pipeline,
     }
-    return _summarise(commands[args.command](cfg))
+    stages = commands[args.command](cfg)
+    if inspect:
+        return _inspect(stages, args.count)
+    return _summarise(stages)
 
 
 def _run_ingest(cfg: RunConfig) -> dict[str, dict[str, Any]]:
@@ -131,6 +156,32 @@ def _run_encode(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     from pipelines.encode_flow import encode_flow
 
     return encode_flow(cfg)
+
+
+def _run_examples(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    from pipelines.examples_flow import examples_flow
+
+    return examples_flow(cfg)
+
+
+def _inspect(stages: dict[str, dict[str, Any]], count: int) -> int:
+    from tokenizers import Tokenizer
+
+    from tasks.examples_inspect import render_examples
+    from tasks.io import read_ipc_stream
+
+    out = Path(stages["examples"]["path"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    tok = Tokenizer.from_file(str(Path(stages["tokenizer"]["path"]) / "tokenizer.json"))
+    shards = manifest["splits"]["train"]["shards"]
+    if not shards:
+        console.print("no training examples")
+        return 1
+    table = read_ipc_stream(out / shards[0]["name"])
+    for block in render_examples(table, manifest["objective"], tok, count):
+        console.print(block, markup=False, highlight=False)
+        console.print()
+    return 0
 
 
 def _run_pipeline(cfg: RunConfig) -> dict[str, dict[str, Any]]:

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from tasks.encode import EncodeConfig
+from tasks.examples import ExamplesConfig
 from tasks.ingest import IngestConfig
 from tasks.ray_runtime import RayConfig
 from tasks.tokenizer import TokenizerConfig
@@ -42,6 +43,7 @@ class RunConfig(BaseModel):
     ingest: IngestConfig
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     encode: EncodeConfig = Field(default_factory=EncodeConfig)
+    examples: ExamplesConfig = Field(default_factory=ExamplesConfig)
 
     @field_validator("name")
     @classmethod

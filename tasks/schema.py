@@ -54,6 +54,60 @@ def tokens_schema(ids: pa.DataType) -> pa.Schema:
     )
 
 
+INPUT_IDS = "input_ids"
+TOKEN_TYPE_IDS = "token_type_ids"
+LENGTH = "length"
+LABELS = "labels"
+NEXT_SENTENCE_LABEL = "next_sentence_label"
+SENTENCE_ORDER_LABEL = "sentence_order_label"
+DOC_STARTS = "doc_starts"
+DECODER_INPUT_IDS = "decoder_input_ids"
+SOURCE_DOC = "source_doc"
+PAIR_DOC = "pair_doc"
+
+
+def examples_schema(
+    objective: str, length: int, ids: pa.DataType, *, labels: bool, targets_length: int = 0
+) -> pa.Schema:
+    """The fixed-length columns of one objective's examples.
+
+    - bert / sop: `input_ids`, `token_type_ids`, `length` (real tokens), the pair label
+      (`next_sentence_label`: 1 = B is random; `sentence_order_label`: 1 = swapped), `labels`
+      (static masking: the original id at masked positions, -100 elsewhere; absent when
+      masking is dynamic), and `source_doc` / `pair_doc` (document numbers within the split).
+    - roberta: `input_ids`, `length`, `labels` (static masking only).
+    - causal: `input_ids` and `doc_starts` (positions inside the block where a document starts).
+    - span_corruption: `input_ids` (encoder), `labels` (`targets_length` ids) and
+      `decoder_input_ids` (the targets shifted right behind the decoder start token).
+    """
+
+    def vector(type_: pa.DataType, width: int = length) -> pa.DataType:
+        return pa.list_(type_, width)
+
+    fields: list[pa.Field] = [pa.field(INPUT_IDS, vector(ids), nullable=False)]
+    if objective in ("bert", "sop"):
+        label = NEXT_SENTENCE_LABEL if objective == "bert" else SENTENCE_ORDER_LABEL
+        fields += [
+            pa.field(TOKEN_TYPE_IDS, vector(pa.uint8()), nullable=False),
+            pa.field(LENGTH, pa.int32(), nullable=False),
+            pa.field(label, pa.int8(), nullable=False),
+            pa.field(SOURCE_DOC, pa.int64(), nullable=False),
+            pa.field(PAIR_DOC, pa.int64(), nullable=False),
+        ]
+    elif objective == "roberta":
+        fields.append(pa.field(LENGTH, pa.int32(), nullable=False))
+    elif objective == "causal":
+        fields.append(pa.field(DOC_STARTS, pa.list_(pa.int32()), nullable=False))
+    if objective == "span_corruption":
+        fields += [
+            pa.field(LABELS, vector(ids, targets_length), nullable=False),
+            pa.field(DECODER_INPUT_IDS, vector(ids, targets_length), nullable=False),
+        ]
+    elif labels:  # static masking
+        fields.append(pa.field(LABELS, vector(pa.int32()), nullable=False))
+    return pa.schema(fields)
+
+
 REASON = "reason"
 DETAIL = "detail"
 EXCERPT = "excerpt"

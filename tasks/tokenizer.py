@@ -370,9 +370,13 @@ _ROLES: dict[str, dict[str, str]] = {
 }
 
 
+def roles(cfg: TokenizerConfig) -> dict[str, str]:
+    """The token that plays each role (`bos`, `eos`, `unk`, `pad`, `cls`, `sep`, `mask`)."""
+    return dict(_ROLES[cfg.family if cfg.family != "bpe" else cfg.bpe_style])
+
+
 def to_transformers(tok: Tokenizer, cfg: TokenizerConfig) -> PreTrainedTokenizerFast:
     """Wrap `tok` so that `AutoTokenizer.from_pretrained` reloads it with the right specials."""
-    key = cfg.family if cfg.family != "bpe" else cfg.bpe_style
     inputs = (
         ["input_ids", "token_type_ids", "attention_mask"]
         if cfg.family == "wordpiece"
@@ -384,7 +388,7 @@ def to_transformers(tok: Tokenizer, cfg: TokenizerConfig) -> PreTrainedTokenizer
         model_max_length=cfg.model_max_length,
         padding_side=cfg.padding_side,
         model_input_names=inputs,
-        **{f"{role}_token": token for role, token in _ROLES[key].items()},
+        **{f"{role}_token": token for role, token in roles(cfg).items()},
         **extra,
     )
 

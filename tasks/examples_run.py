@@ -1,0 +1,332 @@
+"""The examples stage: encoded shards → pretraining examples of one objective, on Ray.
+
+Layout of one output, `<workspace>/examples/<fingerprint>/`: one example shard per encode shard
+of the train and validation splits (same name; the test split is held out), and
+`manifest.json`, written last, with the realised statistics. `_staging/` holds each finished
+shard's counts while a run is in progress, so a rerun skips finished shards.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from tokenizers import Tokenizer
+
+from tasks import schema
+from tasks.examples import (
+    EncodedDocs,
+    ExamplesConfig,
+    ShardContext,
+    Specials,
+    cut_examples,
+    encoded_docs,
+    t5_raw_length,
+)
+from tasks.io import (
+    code_version,
+    fingerprint,
+    public_dump,
+    read_ipc_stream,
+    safe_join,
+    sha256_file,
+    write_ipc_stream,
+    write_json_atomic,
+)
+from tasks.objectives import word_start_table
+from tasks.progress import Reporter, make_reporter
+from tasks.ray_runtime import RayConfig, ensure_ray, map_bounded
+from tasks.stage import StageResult, files_complete, read_upstream
+from tasks.tokenizer import TokenizerConfig, roles
+
+STAGE = "examples"
+SPLITS = ("train", "validation")
+_NEEDS = {
+    "bert": ("cls", "sep", "mask"),
+    "sop": ("cls", "sep", "mask"),
+    "roberta": ("cls", "sep", "mask"),
+    "causal": ("eos",),
+    "span_corruption": ("eos",),
+}
+
+
+class ObjectiveMismatchError(ValueError):
+    """The tokenizer lacks a token the objective needs (e.g. T5 sentinels for span corruption)."""
+
+
+def objective_specials(
+    objective: str, tok_cfg: TokenizerConfig, ids: dict[str, int], vocab_size: int
+) -> Specials:
+    """Map the tokenizer's special tokens to the roles `objective` needs, or refuse the pair.
+
+    Raises:
+        ObjectiveMismatchError: a needed role has no token in this tokenizer family.
+    """
+    role = {name: ids.get(token) for name, token in roles(tok_cfg).items()}
+    if tok_cfg.family == "wordpiece":
+        role["eos"] = ids.get("[SEP]")  # a document separator for causal blocks
+    missing = [name for name in _NEEDS[objective] if role.get(name) is None]
+    sentinel_top = ids.get("<extra_id_0>")
+    if objective == "span_corruption" and sentinel_top is None:
+        missing.append("sentinels <extra_id_0>...")
+    if missing:
+        raise ObjectiveMismatchError(
+            f"examples.objective={objective} needs {missing}, which a {tok_cfg.family} "
+            f"tokenizer ({tok_cfg.bpe_style if tok_cfg.family == 'bpe' else 'default'} style) "
+            "does not have; use "
+            + ("tokenizer.family=unigram" if objective == "span_corruption" else "wordpiece")
+        )
+    pad = role.get("pad")
+    if pad is None:
+        pad = role["eos"]  # GPT-2 has no padding token; blocks are full anyway
+    assert pad is not None
+    return Specials(
+        cls=role.get("cls"),
+        sep=role.get("sep"),
+        pad=pad,
+        mask=role.get("mask"),
+        eos=role.get("eos"),
+        sentinel_top=sentinel_top,
+        vocab_size=vocab_size,
+        special_ids=frozenset(ids.values()),
+    )
+
+
+@dataclass(frozen=True)
+class ExamplesJob:
+    """One encode shard to cut into one example shard."""
+
+    src: str
+    dst: str
+    stats: str
+    cfg: ExamplesConfig
+    ctx: ShardContext
+    split_shards: tuple[tuple[str, int], ...]  # (path, documents) of every shard of the split
+
+
+@lru_cache(maxsize=8)
+def _docs(path: str) -> EncodedDocs:
+    return encoded_docs(read_ipc_stream(Path(path), [schema.TOKEN_IDS]))  # memory-mapped
+
+
+def examples_shard(job: ExamplesJob) -> dict[str, Any]:
+    """Cut one encode shard into examples, write them atomically, then their counts.
+
+    A NotNext segment's document is drawn from the whole split by number and read from its
+    shard by memory map: the corpus is never loaded.
+    """
+    stats_path, dst = Path(job.stats), Path(job.dst)
+    if stats_path.exists() and dst.exists():
+        return json.loads(stats_path.read_text())  # type: ignore[no-any-return]
+    paths = [p for p, _ in job.split_shards]
+    bounds = np.concatenate([[0], np.cumsum([n for _, n in job.split_shards])])
+    total = int(bounds[-1])
+
+    def random_doc(rng: np.random.Generator, current: int) -> tuple[int, list[np.ndarray]]:
+        other = current
+        for _ in range(10):  # as the original: a different document, ten tries
+            other = int(rng.integers(0, total))
+            if other != current:
+                break
+        shard = int(np.searchsorted(bounds, other, side="right") - 1)
+        return other, _docs(paths[shard]).sentences(other - int(bounds[shard]))
+
+    table, counts = cut_examples(_docs(job.src), job.cfg, job.ctx, random_doc)
+    write_ipc_stream(table, dst)
+    stats = {"rows": table.num_rows, "bytes": dst.stat().st_size, "sha256": sha256_file(dst)}
+    write_json_atomic(stats_path, {**counts, **stats})
+    return {**counts, **stats}
+
+
+def run_examples(
+    cfg: ExamplesConfig,
+    seed: int,
+    ray_cfg: RayConfig,
+    encode_dir: Path,
+    tokenizer_dir: Path,
+    workspace: Path,
+    progress: Reporter | None = None,
+) -> StageResult:
+    """Cut the encoded train and validation splits into examples of `cfg.objective`, on Ray.
+
+    A complete output with the same fingerprint (encoding, tokenizer, config, seed, code) is
+    reused as it is.
+    """
+    started = time.monotonic()
+    encode = read_upstream(encode_dir, "encode")
+    tokenizer = read_upstream(tokenizer_dir, "tokenizer")
+    tok_cfg = TokenizerConfig.model_validate(tokenizer["config"])
+    specials = objective_specials(
+        cfg.objective, tok_cfg, tokenizer["special_tokens"], encode["vocab_size"]
+    )
+    config = public_dump(cfg)
+    code = code_version("tasks")
+    inputs = {"encode": encode["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
+    fp = fingerprint(
+        {"inputs": inputs, "config": config, "seed": seed, "code": code["source_hash"]}
+    )
+    out = workspace / STAGE / fp
+    manifest_path = out / "manifest.json"
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        shards = [s for split in manifest["splits"].values() for s in split["shards"]]
+        if files_complete(out, shards):
+            return StageResult(out, manifest, reused=True)
+    staging = out / "_staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob(".*.tmp-*"), *staging.glob(".*.tmp-*")]:
+        stale.unlink(missing_ok=True)
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    vocab = [tok.id_to_token(i) or "" for i in range(tok.get_vocab_size(with_added_tokens=True))]
+    words = word_start_table(vocab, tok_cfg.family, set(specials.special_ids))
+    ids_type = pa.uint16() if encode["dtype"] == "uint16" else pa.uint32()
+    random_ids = np.setdiff1d(np.arange(len(vocab)), np.fromiter(specials.special_ids, np.int64))
+    jobs, where = [], []
+    for split in SPLITS:
+        entries = encode["splits"][split]["shards"]
+        split_shards = tuple((str(safe_join(encode_dir, e["name"])), e["rows"]) for e in entries)
+        base = 0
+        for number, entry in enumerate(entries):
+            ctx = ShardContext(seed, number, base, specials, ids_type, words, random_ids)
+            jobs.append(
+                ExamplesJob(
+                    src=str(safe_join(encode_dir, entry["name"], what="encode shard")),
+                    dst=str(safe_join(out, entry["name"], what="example shard")),
+                    stats=str(staging / f"{entry['name']}.json"),
+                    cfg=cfg,
+                    ctx=ctx,
+                    split_shards=split_shards,
+                )
+            )
+            where.append((split, entry["name"]))
+            base += entry["rows"]
+    ensure_ray(ray_cfg)
+    done = [0]
+
+    def tick(_index: int, _result: Any) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress("examples", done[0], len(jobs))
+
+    results = map_bounded(examples_shard, jobs, ray_cfg.num_workers, on_done=tick)
+    splits: dict[str, Any] = {s: {"rows": 0, "shards": [], "counts": {}} for s in SPLITS}
+    for (split, name), stats in zip(where, results, strict=True):
+        entry = {k: stats[k] for k in ("rows", "bytes", "sha256")}
+        splits[split]["shards"].append({"name": name, **entry})
+        splits[split]["rows"] += stats["rows"]
+        counts = splits[split]["counts"]
+        for key, value in stats.items():
+            if key not in ("rows", "bytes", "sha256"):
+                counts[key] = counts.get(key, 0) + value
+    for entry in splits.values():
+        entry["realised"] = realised(cfg, entry["counts"])
+    first = jobs[0].ctx if jobs else None
+    length = cfg.block_size if cfg.objective == "causal" else cfg.max_seq_length
+    targets = t5_raw_length(cfg)[1] if cfg.objective == "span_corruption" else 0
+    out_schema = schema.examples_schema(
+        cfg.objective,
+        length,
+        ids_type,
+        labels=cfg.masking == "static" and cfg.objective in ("bert", "sop", "roberta"),
+        targets_length=targets,
+    )
+    manifest = {
+        "stage": STAGE,
+        "schema_version": schema.SCHEMA_VERSION,
+        "fingerprint": fp,
+        "objective": cfg.objective,
+        "config": config,
+        "seed": seed,
+        "code": code,
+        "inputs": inputs,
+        "encode": {"fingerprint": encode["fingerprint"], "path": str(encode_dir)},
+        "tokenizer": {"fingerprint": tokenizer["fingerprint"], "path": str(tokenizer_dir)},
+        "specials": {k: v for k, v in vars(first.specials).items() if k != "special_ids"}
+        if first
+        else {},
+        "schema": [str(f) for f in out_schema],
+        "splits": splits,
+        "metrics": {
+            **{f"train_{k}": v for k, v in splits["train"]["realised"].items()},
+            **{f"validation_{k}": v for k, v in splits["validation"]["realised"].items()},
+            "elapsed_s": round(time.monotonic() - started, 3),
+        },
+    }
+    write_json_atomic(manifest_path, manifest)
+    shutil.rmtree(staging, ignore_errors=True)
+    return StageResult(out, manifest, reused=False)
+
+
+def realised(cfg: ExamplesConfig, counts: dict[str, int]) -> dict[str, float]:
+    """The realised statistics of one split from its summed counts."""
+
+    def ratio(a: str, b: str) -> float:
+        return counts.get(a, 0) / counts[b] if counts.get(b) else 0.0
+
+    stats = {
+        "examples": float(counts.get("examples", 0)),
+        "real_tokens": float(counts.get("real_tokens", 0)),
+        "packing_efficiency": ratio("real_tokens", "slot_tokens"),
+        "padding_fraction": 1.0 - ratio("real_tokens", "slot_tokens")
+        if counts.get("slot_tokens")
+        else 0.0,
+    }
+    if "chosen_tokens" in counts:
+        stats |= {
+            "mask_rate": ratio("chosen_tokens", "maskable_tokens"),
+            "mask_token_share": ratio("mask_token", "chosen_tokens"),
+            "random_token_share": ratio("random_token", "chosen_tokens"),
+            "kept_token_share": ratio("kept_token", "chosen_tokens"),
+        }
+    if cfg.objective in ("bert", "sop"):
+        stats["positive_label_rate"] = ratio("positive_labels", "examples")
+    if "dropped_tokens" in counts:
+        kept = (
+            counts.get("real_tokens", 0)
+            if cfg.objective == "causal"
+            else counts.get("raw_tokens", 0)
+        )
+        stats["corpus_tokens_used"] = kept / max(kept + counts["dropped_tokens"], 1)
+    if cfg.objective == "span_corruption":
+        stats["noise_density"] = ratio("noise_tokens", "raw_tokens")
+        stats["mean_noise_span_length"] = ratio("noise_tokens", "noise_spans")
+    return stats
+
+
+@task(name="examples", cache_policy=NO_CACHE)
+def examples_task(
+    cfg: ExamplesConfig,
+    seed: int,
+    ray_cfg: RayConfig,
+    encode_dir: str,
+    tokenizer_dir: str,
+    workspace: str,
+) -> dict[str, Any]:
+    """Cut the examples (or reuse a complete output); return the stage summary."""
+    logger = get_run_logger()
+    result = run_examples(
+        cfg,
+        seed,
+        ray_cfg,
+        Path(encode_dir),
+        Path(tokenizer_dir),
+        Path(workspace),
+        make_reporter(logger),
+    )
+    logger.info(
+        "examples %s (%s): %s, %s",
+        result.manifest["fingerprint"],
+        cfg.objective,
+        "reused" if result.reused else "built",
+        result.manifest["splits"]["train"]["realised"],
+    )
+    return result.summary()
