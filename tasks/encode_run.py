@@ -109,7 +109,8 @@ def run_encode(
         if progress is not None:
             progress("encode", done[0], len(jobs))
 
-    results = map_bounded(encode_shard, jobs, ray_cfg.num_workers, on_done=tick)
+    sizes = [job.stop - job.start for job in jobs]
+    results = map_bounded(encode_shard, jobs, ray_cfg.num_workers, on_done=tick, sizes=sizes)
     splits: dict[str, Any] = {
         name: {"rows": 0, "tokens": 0, "shards": []} for name in ingest["splits"]
     }

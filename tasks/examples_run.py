@@ -190,7 +190,7 @@ def run_examples(
     words = word_start_table(vocab, tok_cfg.family, set(specials.special_ids))
     ids_type = pa.uint16() if encode["dtype"] == "uint16" else pa.uint32()
     random_ids = np.setdiff1d(np.arange(len(vocab)), np.fromiter(specials.special_ids, np.int64))
-    jobs, where = [], []
+    jobs, where, sizes = [], [], []
     for split in SPLITS:
         entries = encode["splits"][split]["shards"]
         split_shards = tuple((str(safe_join(encode_dir, e["name"])), e["rows"]) for e in entries)
@@ -208,6 +208,7 @@ def run_examples(
                 )
             )
             where.append((split, entry["name"]))
+            sizes.append(entry["tokens"])
             base += entry["rows"]
     ensure_ray(ray_cfg)
     done = [0]
@@ -217,7 +218,7 @@ def run_examples(
         if progress is not None:
             progress("examples", done[0], len(jobs))
 
-    results = map_bounded(examples_shard, jobs, ray_cfg.num_workers, on_done=tick)
+    results = map_bounded(examples_shard, jobs, ray_cfg.num_workers, on_done=tick, sizes=sizes)
     splits: dict[str, Any] = {s: {"rows": 0, "shards": [], "counts": {}} for s in SPLITS}
     for (split, name), stats in zip(where, results, strict=True):
         entry = {k: stats[k] for k in ("rows", "bytes", "sha256")}

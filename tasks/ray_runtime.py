@@ -64,15 +64,21 @@ def map_bounded(
     items: Sequence[Any],
     max_in_flight: int,
     on_done: Callable[[int, T], None] | None = None,
+    sizes: Sequence[int] | None = None,
 ) -> list[T]:
     """Run `fn(item)` as Ray tasks, at most `max_in_flight` at once; results in input order.
 
-    The first task error is re-raised after the others in flight are cancelled.
+    With `sizes`, the largest items are started first, so that no big item is left running
+    alone at the end (longest-processing-time-first scheduling). The first task error is
+    re-raised after the others in flight are cancelled.
     """
     remote = ray.remote(num_cpus=1, max_retries=2)(fn)
     results: dict[int, T] = {}
     pending: dict[Any, int] = {}
-    queue: Iterator[tuple[int, Any]] = iter(enumerate(items))
+    order = list(range(len(items)))
+    if sizes is not None:
+        order.sort(key=lambda i: -sizes[i])  # stable: equal sizes keep their order
+    queue: Iterator[tuple[int, Any]] = ((i, items[i]) for i in order)
     try:
         for index, item in queue:
             pending[remote.remote(item)] = index

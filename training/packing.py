@@ -1,0 +1,47 @@
+"""Document-boundary attention for packed causal blocks: position resets, block-diagonal masks.
+
+A causal block (`examples.objective=causal`) holds several documents; its `doc_starts` column
+lists where each one starts. With these, a document attends only to itself and its positions
+start again at 0, exactly as if it had been run alone. The mask is passed to the model as a
+4-D additive mask: a 2-D padding mask would silently fall back to plain causal attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def document_ids(doc_starts: Sequence[Sequence[int]], block_size: int) -> np.ndarray:
+    """(B, L) int64: the number of the document each position belongs to, within its block."""
+    marks = np.zeros((len(doc_starts), block_size), dtype=np.int64)  # (B, L)
+    for row, starts in enumerate(doc_starts):
+        marks[row, np.asarray(starts, dtype=np.int64)] = 1
+    return np.cumsum(marks, axis=1)
+
+
+def document_positions(doc_starts: Sequence[Sequence[int]], block_size: int) -> np.ndarray:
+    """(B, L) int64 position ids that restart at 0 where each document starts."""
+    docs = document_ids(doc_starts, block_size)  # (B, L)
+    index = np.broadcast_to(np.arange(block_size), docs.shape)  # (B, L)
+    first = np.zeros_like(docs)
+    changed = np.ones_like(docs, dtype=bool)
+    changed[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    first[changed] = index[changed]
+    return index - np.maximum.accumulate(first, axis=1)  # (B, L)
+
+
+def causal_document_mask(documents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, L, L) additive mask: 0 where query i may see key j (j ≤ i, same document).
+
+    Blocked entries hold the dtype's most negative value, as `transformers` masks do, so their
+    softmax weight is exactly 0 and other documents cannot change a document's outputs.
+    """
+    length = documents.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()  # (L, L)
+    same = documents[:, :, None] == documents[:, None, :]  # (B, L, L)
+    allowed = (same & causal)[:, None]  # (B, 1, L, L)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
