@@ -320,9 +320,11 @@ PHASES = {
 # ---- the orchestrator ---------------------------------------------------------------------
 
 
-def run_phase(name: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
-    """Run one phase in a fresh process; return its JSON line plus its tree's peak RSS."""
-    argv = [sys.executable, __file__, "--phase", name, "--work", str(args.work)]
+def run_phase(
+    name: str, args: argparse.Namespace, script: str = __file__, **extra: Any
+) -> dict[str, Any]:
+    """Run one phase of `script` in a fresh process; return its JSON line and peak RSS."""
+    argv = [sys.executable, script, "--phase", name, "--work", str(args.work)]
     argv += ["--vocab", str(args.vocab)]
     for key, value in extra.items():
         argv += [f"--{key}", str(value)]
