@@ -116,7 +116,14 @@ def run_one(path: Path, workers: int, splitter: str, workdir: Path) -> dict[str,
     ensure_ray(ray_cfg)
     ray_start = time.perf_counter() - start
     start = time.perf_counter()
-    result = run_ingest(cfg, ray_cfg, workdir)
+    phases: dict[str, float] = {}  # when the first unit, the last unit, the last shard finished
+
+    def progress(phase: str, done: int, total: int) -> None:
+        now = round(time.perf_counter() - start, 2)
+        phases.setdefault(f"{phase}_first_s", now)
+        phases[f"{phase}_last_s"] = now
+
+    result = run_ingest(cfg, ray_cfg, workdir, progress)
     elapsed = time.perf_counter() - start
     sampler.stop.set()
     sampler.join()
@@ -132,6 +139,7 @@ def run_one(path: Path, workers: int, splitter: str, workdir: Path) -> dict[str,
         "mb_s_per_worker": round(mib / elapsed / workers, 2),
         "peak_rss_mib": round(sampler.peak / 2**20),
         "documents": result.manifest["counts"]["read"],
+        **phases,
     }
 
 
