@@ -70,7 +70,9 @@ class SentenceConfig(BaseModel):
 # Controls other than \t and \n, DEL, C1 controls and the BOM / zero-width no-break space.
 _CONTROL_RE = r"[\x{0}-\x{8}\x{b}\x{c}\x{e}-\x{1f}\x{7f}-\x{9f}\x{feff}]"
 _HSPACE_RE = r"[\t\v\f\p{Zs}]+"
-_PARAGRAPH_MARK = "\x01"  # safe as a placeholder: control characters were removed before
+# Placeholder for paragraph breaks while single newlines become spaces. With strip_control
+# off, a \x01 already in the text becomes a newline too; the C path keeps that, byte for byte.
+_PARAGRAPH_MARK = "\x01"
 
 
 def clean_texts(texts: pa.Array, cfg: CleanConfig) -> pa.Array:
