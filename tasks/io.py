@@ -129,14 +129,16 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 @cache
 def source_hash(*packages: str) -> str:
-    """Hash the `.py` sources of the named top-level packages (path and bytes, sorted).
+    """Hash the `.py` and `.c` sources of the named top-level packages (path and bytes, sorted).
 
     This is the part of the code version that output fingerprints use: it is the same in a git
-    checkout and in an installed package, and it changes exactly when the code that runs changes.
+    checkout and in an installed package, and it changes exactly when the code that runs changes
+    (the C source of a compiled extension, such as tasks/_textscan.c, included).
     """
     digest = hashlib.sha256()
     for package in sorted(packages):
-        for file in sorted((_PACKAGE_ROOT / package).rglob("*.py")):
+        root = _PACKAGE_ROOT / package
+        for file in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
             digest.update(file.relative_to(_PACKAGE_ROOT).as_posix().encode())
             digest.update(file.read_bytes())
     return digest.hexdigest()[:16]

@@ -1,5 +1,8 @@
-"""Document text clean-up (column-wise, pyarrow.compute) and rule-based sentence splitting.
+"""Document text clean-up (column-wise) and rule-based sentence splitting.
 
+`clean_texts_reference` states the clean-up as pyarrow.compute (RE2) passes; `clean_texts`
+runs the same steps as one compiled pass per document (`tasks/_textscan.c`) before and one
+after Unicode normalisation, with byte-identical output (tests/tasks/test_textscan.py).
 Pure functions only: no files, clock or globals beyond compiled patterns and word lists.
 """
 
@@ -11,11 +14,13 @@ import unicodedata
 from collections.abc import Callable
 from typing import Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tasks.sentences import BOUNDARY, LINE_BREAK, split_column
+from tasks.sentences import split_column
+from tasks.textscan import kernels
 
 SentenceSplitter = Callable[[str], list[str]]
 
@@ -65,11 +70,70 @@ class SentenceConfig(BaseModel):
 # Controls other than \t and \n, DEL, C1 controls and the BOM / zero-width no-break space.
 _CONTROL_RE = r"[\x{0}-\x{8}\x{b}\x{c}\x{e}-\x{1f}\x{7f}-\x{9f}\x{feff}]"
 _HSPACE_RE = r"[\t\v\f\p{Zs}]+"
-_PARAGRAPH_MARK = "\x01"  # safe as a placeholder: control characters were removed before
+# Placeholder for paragraph breaks while single newlines become spaces. With strip_control
+# off, a \x01 already in the text becomes a newline too; the C path keeps that, byte for byte.
+_PARAGRAPH_MARK = "\x01"
 
 
 def clean_texts(texts: pa.Array, cfg: CleanConfig) -> pa.Array:
-    """Normalise a string array column-wise; returns an array of the same length.
+    """Normalise a string array column-wise; returns an array of the same length and type.
+
+    The compiled form of `clean_texts_reference`, with the same output: its character steps
+    run in C, and Unicode normalisation runs in between, as in the reference.
+    """
+    before = kernels.OP_NEWLINES | (kernels.OP_STRIP_CONTROL if cfg.strip_control else 0)
+    after = kernels.OP_TRIM
+    after |= kernels.OP_COLLAPSE if cfg.collapse_whitespace else 0
+    after |= kernels.OP_JOIN if cfg.join_wrapped_lines else 0
+    if cfg.normalization == "none":
+        return _clean_utf8(texts, before | after)
+    out = _normalize_non_ascii(_clean_utf8(texts, before), cfg.normalization)
+    return _clean_utf8(out, after)
+
+
+def _normalize_non_ascii(texts: pa.Array, form: str) -> pa.Array:
+    """`normalize_unicode`, run on the non-ASCII texts only and spliced back in.
+
+    An ASCII string is normalised in every form (UAX #15: ASCII characters have no
+    decompositions and compose with nothing; CPython's `is_normalized` answers it without
+    looking), so only the other texts need Python strings.
+    """
+    ascii_only = pc.fill_null(pc.string_is_ascii(texts), True)
+    rows = np.flatnonzero(~ascii_only.to_numpy(zero_copy_only=False))
+    if not len(rows):
+        return texts
+    values = texts.take(pa.array(rows)).to_pylist()
+    changed = [
+        (row, unicodedata.normalize(form, text))  # type: ignore[arg-type]
+        for row, text in zip(rows, values, strict=True)
+        if not unicodedata.is_normalized(form, text)  # type: ignore[arg-type]
+    ]
+    if not changed:
+        return texts
+    replacements = pa.array([text for _, text in changed], type=texts.type)
+    picks = np.arange(len(texts))
+    picks[[row for row, _ in changed]] = len(texts) + np.arange(len(changed))
+    return pa.concat_arrays([texts, replacements]).take(pa.array(picks))
+
+
+def _clean_utf8(texts: pa.Array, ops: int) -> pa.Array:
+    """Run the `kernels.OP_*` steps in `ops` over every text; keeps nulls and the type."""
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks()
+    large = texts.cast(pa.large_string())
+    _, offsets, data = large.buffers()
+    window = offsets.slice(8 * large.offset, 8 * (len(large) + 1))  # n + 1 int64 offsets
+    new_offsets, new_data = kernels.clean_utf8(window, b"" if data is None else data, ops)
+    out = pa.LargeStringArray.from_buffers(
+        len(large), pa.py_buffer(new_offsets), pa.py_buffer(new_data)
+    )
+    if large.null_count:
+        out = pc.if_else(large.is_valid(), out, pa.scalar(None, pa.large_string()))
+    return out if texts.type == pa.large_string() else out.cast(texts.type)
+
+
+def clean_texts_reference(texts: pa.Array, cfg: CleanConfig) -> pa.Array:
+    """Normalise a string array with pyarrow.compute passes: the specification of `clean_texts`.
 
     CRLF and lone CR become LF in every configuration, so that line-based rules see one newline.
     """
@@ -139,9 +203,9 @@ def split_sentences(texts: pa.Array, cfg: SentenceConfig) -> pa.Array:
     The built-in splitters run vectorised over the whole column; a plug-in runs per document.
     """
     if cfg.splitter == "rules":
-        return split_column(texts, BOUNDARY)
+        return split_column(texts, "rules")
     if cfg.splitter == "lines":
-        return split_column(texts, LINE_BREAK)
+        return split_column(texts, "lines")
     if cfg.splitter == "none":
         values = texts.cast(pa.string())
         offsets = pa.array(range(len(values) + 1), pa.int32())

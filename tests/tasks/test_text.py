@@ -4,17 +4,23 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from tasks.sentences import split_column_reference
 from tasks.text import (
     CleanConfig,
     SentenceConfig,
     clean_texts,
+    clean_texts_reference,
     resolve_splitter,
     split_sentences_rules,
 )
 
 
 def clean(text: str, **kwargs: object) -> str:
-    return clean_texts(pa.array([text]), CleanConfig(**kwargs)).to_pylist()[0]  # type: ignore[arg-type]
+    """Clean with the compiled path, checking that the pyarrow reference agrees."""
+    cfg = CleanConfig(**kwargs)  # type: ignore[arg-type]
+    compiled = clean_texts(pa.array([text]), cfg).to_pylist()[0]
+    assert compiled == clean_texts_reference(pa.array([text]), cfg).to_pylist()[0]
+    return compiled  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize(
@@ -68,6 +74,7 @@ HARD_CASES = [
 @pytest.mark.parametrize(("text", "expected"), HARD_CASES)
 def test_rule_splitter_splits_hard_case_as_a_person_would(text: str, expected: list[str]) -> None:
     assert split_sentences_rules(text) == expected
+    assert split_column_reference(pa.array([text])).to_pylist() == [expected]
 
 
 def _clean_gold(lines: list[str]) -> list[bool]:
