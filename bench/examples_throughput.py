@@ -9,8 +9,9 @@ WordPiece tokenizer and encodes it once (set-up, not measured), then measures:
   on the same 64 batches of 256 unmasked BERT rows of 128 tokens, with the realised mask rate
   and 80/10/10 shares of both;
 - causal packing: the whole `causal` examples stage (read token shards, pack, write, on Ray)
-  against `group_texts` run through `datasets.map(batched=True, num_proc=<cores>)` as the
-  causal-LM example script does, on the same documents, with the block counts of both;
+  and its core alone in one process (read, pack, write) against `group_texts` run through
+  `datasets.map(batched=True, num_proc=<cores>)` as the causal-LM example script does, on the
+  same documents (end-of-text after each), with the block counts of both;
 - the `bert` examples stage: examples/s and MB of text/s, at this corpus size and at half of it
   (peak memory flat when the corpus doubles).
 
@@ -139,7 +140,9 @@ def _masking(args: argparse.Namespace) -> dict[str, Any]:
     tok = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
     specials = np.asarray(tok.all_special_ids)
     random_ids = np.setdiff1d(np.arange(len(tok)), specials)
-    batches = rows.reshape(BATCHES, ROWS, LENGTH)
+    count = min(BATCHES, len(rows) // ROWS)
+    batches = rows[: count * ROWS].reshape(count, ROWS, LENGTH)
+    rows = rows[: count * ROWS]
     if args.side == "lmpipe":
         cfg = MaskConfig(max_predictions_per_seq=LENGTH)  # no cap, as the collator has none
         start = time.perf_counter()
@@ -232,7 +235,44 @@ def _group_texts(args: argparse.Namespace) -> dict[str, Any]:
     return {"elapsed_s": elapsed, "examples": len(blocks), "examples_per_s": len(blocks) / elapsed}
 
 
+def _causal_in_process(args: argparse.Namespace) -> dict[str, Any]:
+    """The causal core alone, in one process: read each token shard, pack, write Arrow."""
+    from tasks.examples import causal_blocks, encoded_docs, fixed
+    from tasks.io import write_ipc_stream
+
+    manifest = json.loads((Path(args.encode) / "manifest.json").read_text())
+    eos = json.loads((Path(args.tokenizer) / "manifest.json").read_text())["special_tokens"][
+        "[SEP]"
+    ]
+    out = args.work / "causal-in-process"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    blocks_total = 0
+    first = manifest["splits"]["train"]["shards"][0]["name"]  # warm-up: one-time imports
+    encoded_docs(read_ipc_stream(Path(args.encode) / first, [schema.TOKEN_IDS]).slice(0, 8))
+    start = time.perf_counter()
+    for split in ("train", "validation"):
+        for shard in manifest["splits"][split]["shards"]:
+            table = read_ipc_stream(Path(args.encode) / shard["name"], [schema.TOKEN_IDS])
+            blocks, starts, _ = causal_blocks(encoded_docs(table), LENGTH, eos)
+            packed = pa.table(
+                {
+                    schema.INPUT_IDS: fixed(blocks, pa.uint16()),
+                    schema.DOC_STARTS: starts,
+                }
+            )
+            write_ipc_stream(packed, out / shard["name"])
+            blocks_total += len(blocks)
+    elapsed = time.perf_counter() - start
+    return {
+        "elapsed_s": elapsed,
+        "examples": blocks_total,
+        "examples_per_s": blocks_total / elapsed,
+    }
+
+
 PHASES = {
+    "causal-in-process": _causal_in_process,
     "setup": _stage_setup,
     "stage": _examples_stage,
     "masking": _masking,
@@ -271,6 +311,7 @@ def main() -> None:
     }
     results["causal"] = {
         "stage": run_phase("stage", args, __file__, objective="causal", **where),
+        "in_process": run_phase("causal-in-process", args, __file__, **where),
         "group_texts": run_phase("group-texts", args, __file__, **where),
     }
     out = args.out / "examples_throughput.json"

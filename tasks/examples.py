@@ -297,11 +297,12 @@ def full_sentences(docs: EncodedDocs, max_tokens: int, sep: int) -> list[np.ndar
 
 def causal_blocks(
     docs: EncodedDocs, block_size: int, eot: int
-) -> tuple[np.ndarray, list[np.ndarray], int]:
+) -> tuple[np.ndarray, pa.ListArray, int]:
     """Join documents, each followed by `eot`, and cut the stream into full blocks.
 
     Returns the blocks (B, block_size), for each block the positions where a document starts
-    inside it (the position after an `eot`), and the number of tail tokens dropped.
+    inside it (the position after an `eot`) as a `list<int32>` array, and the number of tail
+    tokens dropped.
     """
     lengths = np.diff(docs.sent_offsets[docs.doc_offsets]) + 1  # (D,) with the eot
     ends = np.cumsum(lengths)  # (D,) stream position just after each eot
@@ -315,9 +316,11 @@ def causal_blocks(
     blocks = stream[: n_blocks * block_size].reshape(n_blocks, block_size)  # (B, L)
     starts = ends[ends < n_blocks * block_size]
     inside = starts[starts % block_size != 0]  # a start at offset 0 is no boundary
-    per_block = np.bincount(inside // block_size, minlength=n_blocks)
-    split = np.split(inside % block_size, np.cumsum(per_block)[:-1]) if n_blocks else []
-    return blocks, split, len(stream) - n_blocks * block_size
+    per_block = np.bincount(inside // block_size, minlength=n_blocks)  # (B,)
+    offsets = np.concatenate([[0], np.cumsum(per_block)]).astype(np.int32)  # (B + 1,)
+    positions = pa.array((inside % block_size).astype(np.int32))
+    starts_list = pa.ListArray.from_arrays(pa.array(offsets), positions)
+    return blocks, starts_list, len(stream) - n_blocks * block_size
 
 
 # ---- span corruption: T5 raw chunks --------------------------------------------------------
@@ -542,10 +545,10 @@ def _causal_examples(
     blocks, starts, dropped = causal_blocks(docs, cfg.block_size, eot)
     n = len(blocks)
     stats = _token_stats(np.full(n, cfg.block_size), cfg.block_size)
-    stats |= {"dropped_tokens": dropped, "document_boundaries": int(sum(map(len, starts)))}
+    stats |= {"dropped_tokens": dropped, "document_boundaries": len(starts.values)}
     arrays = {
         schema.INPUT_IDS: fixed(blocks, ctx.ids),
-        schema.DOC_STARTS: pa.array([s.astype(np.int32) for s in starts], pa.list_(pa.int32())),
+        schema.DOC_STARTS: starts,
     }
     out_schema = schema.examples_schema("causal", cfg.block_size, ctx.ids, labels=False)
     return pa.table(arrays, schema=out_schema), stats

@@ -118,7 +118,7 @@ def test_causal_blocks_record_boundaries_after_end_of_text() -> None:
     assert dropped == len(stream) % 16
     assert np.array_equal(blocks.reshape(-1), stream[: blocks.size])
     boundaries = 0
-    for block, positions in zip(blocks, starts, strict=True):
+    for block, positions in zip(blocks, starts.to_pylist(), strict=True):
         assert all(block[p - 1] == 0 for p in positions)  # a document starts after eot
         boundaries += len(positions)
     expected = int(np.sum(np.flatnonzero(stream[: blocks.size] == 0) % 16 != 15))
