@@ -39,7 +39,7 @@ class EncodeConfig(BaseModel):
         description="Documents per `encode_batch` call and per record batch written.",
     )
     shard_documents: int = Field(
-        16_384,
+        4096,
         ge=1,
         description="Documents per token shard, and per Ray task: an ingest shard is cut "
         "into parts of this size so that every worker has work.",
