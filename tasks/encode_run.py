@@ -9,7 +9,6 @@ interrupted run resumes with the shards it had not finished.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -38,9 +37,16 @@ from tasks.io import (
     safe_join,
     write_json_atomic,
 )
-from tasks.progress import Reporter, make_reporter
+from tasks.progress import Reporter, make_reporter, ticker
 from tasks.ray_runtime import RayConfig, ensure_ray, map_bounded
-from tasks.stage import StageResult, files_complete, read_upstream, shards_of
+from tasks.stage import (
+    StageResult,
+    complete_sharded,
+    manifest_header,
+    open_staging,
+    read_upstream,
+    shards_of,
+)
 from tasks.tokenizer import unknown_id
 
 STAGE = "encode"
@@ -67,15 +73,10 @@ def run_encode(
     inputs = {"ingest": ingest["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
     fp = fingerprint({"inputs": inputs, "config": config, "code": code["source_hash"]})
     out = workspace / STAGE / fp
-    manifest_path = out / "manifest.json"
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        if files_complete(out, [s for _, s in shards_of(manifest)]):
-            return StageResult(out, manifest, reused=True)
-    staging = out / "_staging"
-    staging.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob(".*.tmp-*"), *staging.glob(".*.tmp-*")]:
-        stale.unlink(missing_ok=True)  # temp files of a killed run; never read as outputs
+    done = complete_sharded(out)
+    if done is not None:
+        return StageResult(out, done, reused=True)
+    staging = open_staging(out)
     tok_file = tokenizer_dir / "tokenizer.json"
     tok = Tokenizer.from_file(str(tok_file))
     ids = id_type(tok.get_vocab_size(with_added_tokens=True), cfg)
@@ -102,13 +103,7 @@ def run_encode(
             )
         )
     ensure_ray(ray_cfg)
-    done = [0]
-
-    def tick(_index: int, _result: Any) -> None:
-        done[0] += 1
-        if progress is not None:
-            progress("encode", done[0], len(jobs))
-
+    tick = ticker(progress, "encode", len(jobs))
     sizes = [job.stop - job.start for job in jobs]
     results = map_bounded(encode_shard, jobs, ray_cfg.num_workers, on_done=tick, sizes=sizes)
     splits: dict[str, Any] = {
@@ -131,12 +126,7 @@ def run_encode(
         total = merge_stats(total, {k: v for k, v in stats.items() if k not in ("bytes", "sha256")})
     plot_histogram(total, out / HISTOGRAM_PNG)
     manifest = {
-        "stage": STAGE,
-        "schema_version": schema.SCHEMA_VERSION,
-        "fingerprint": fp,
-        "config": config,
-        "code": code,
-        "inputs": inputs,
+        **manifest_header(STAGE, fp, config, code, inputs),
         "ingest": {"fingerprint": ingest["fingerprint"], "path": str(ingest_dir)},
         "tokenizer": {"fingerprint": tokenizer["fingerprint"], "path": str(tokenizer_dir)},
         "schema": [str(f) for f in schema.tokens_schema(ids)],
@@ -147,7 +137,7 @@ def run_encode(
         "artifacts": [HISTOGRAM_PNG],
         "metrics": summary_metrics(total) | {"elapsed_s": round(time.monotonic() - started, 3)},
     }
-    write_json_atomic(manifest_path, manifest)
+    write_json_atomic(out / "manifest.json", manifest)
     shutil.rmtree(staging, ignore_errors=True)
     return StageResult(out, manifest, reused=False)
 

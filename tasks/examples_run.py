@@ -43,9 +43,15 @@ from tasks.io import (
     write_json_atomic,
 )
 from tasks.objectives import word_start_table
-from tasks.progress import Reporter, make_reporter
+from tasks.progress import Reporter, make_reporter, ticker
 from tasks.ray_runtime import RayConfig, ensure_ray, map_bounded
-from tasks.stage import StageResult, files_complete, read_upstream
+from tasks.stage import (
+    StageResult,
+    complete_sharded,
+    manifest_header,
+    open_staging,
+    read_upstream,
+)
 from tasks.tokenizer import TokenizerConfig, roles
 
 STAGE = "examples"
@@ -179,16 +185,10 @@ def run_examples(
         {"inputs": inputs, "config": config, "seed": seed, "code": code["source_hash"]}
     )
     out = workspace / STAGE / fp
-    manifest_path = out / "manifest.json"
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        shards = [s for split in manifest["splits"].values() for s in split["shards"]]
-        if files_complete(out, shards):
-            return StageResult(out, manifest, reused=True)
-    staging = out / "_staging"
-    staging.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob(".*.tmp-*"), *staging.glob(".*.tmp-*")]:
-        stale.unlink(missing_ok=True)
+    done = complete_sharded(out)
+    if done is not None:
+        return StageResult(out, done, reused=True)
+    staging = open_staging(out)
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     vocab = [tok.id_to_token(i) or "" for i in range(tok.get_vocab_size(with_added_tokens=True))]
     words = word_start_table(vocab, tok_cfg.family, set(specials.special_ids))
@@ -215,13 +215,7 @@ def run_examples(
             sizes.append(entry["tokens"])
             base += entry["rows"]
     ensure_ray(ray_cfg)
-    done = [0]
-
-    def tick(_index: int, _result: Any) -> None:
-        done[0] += 1
-        if progress is not None:
-            progress("examples", done[0], len(jobs))
-
+    tick = ticker(progress, "examples", len(jobs))
     results = map_bounded(examples_shard, jobs, ray_cfg.num_workers, on_done=tick, sizes=sizes)
     splits: dict[str, Any] = {s: {"rows": 0, "shards": [], "counts": {}} for s in SPLITS}
     for (split, name), stats in zip(where, results, strict=True):
@@ -245,14 +239,9 @@ def run_examples(
         targets_length=targets,
     )
     manifest = {
-        "stage": STAGE,
-        "schema_version": schema.SCHEMA_VERSION,
-        "fingerprint": fp,
+        **manifest_header(STAGE, fp, config, code, inputs),
         "objective": cfg.objective,
-        "config": config,
         "seed": seed,
-        "code": code,
-        "inputs": inputs,
         "encode": {"fingerprint": encode["fingerprint"], "path": str(encode_dir)},
         "tokenizer": {"fingerprint": tokenizer["fingerprint"], "path": str(tokenizer_dir)},
         "specials": {k: v for k, v in vars(first.specials).items() if k != "special_ids"}
@@ -266,7 +255,7 @@ def run_examples(
             "elapsed_s": round(time.monotonic() - started, 3),
         },
     }
-    write_json_atomic(manifest_path, manifest)
+    write_json_atomic(out / "manifest.json", manifest)
     shutil.rmtree(staging, ignore_errors=True)
     return StageResult(out, manifest, reused=False)
 

@@ -48,7 +48,7 @@ from tasks.io import (
     safe_join,
     write_json_atomic,
 )
-from tasks.progress import make_reporter
+from tasks.progress import make_reporter, ticker
 from tasks.ray_runtime import RayConfig, ensure_ray, map_bounded
 from tasks.readers import plan_units
 from tasks.sources import InputFile, WorkUnit, expand_source
@@ -136,7 +136,7 @@ def run_ingest(
     unit_bytes = max(int(cfg.unit_size_mb * (1 << 20)), 1)
     units = _plan(new_files, cfg, unit_bytes, storage)
     ensure_ray(ray_cfg)
-    tick = _ticker(progress, "read", len(units))
+    tick = ticker(progress, "read", len(units))
     summaries = map_bounded(
         process_unit,
         [UnitJob(u, cfg, str(staging), storage[u.file.source]) for u in units],
@@ -170,17 +170,6 @@ def _plan(
         for unit in plan_units(mine, source.txt_mode, unit_bytes, storage):
             units.append(WorkUnit(len(units), unit.file, unit.start, unit.end, unit.binary))
     return units
-
-
-def _ticker(progress: Progress | None, phase: str, total: int) -> Callable[[int, Any], None]:
-    done = [0]
-
-    def tick(_index: int, _result: Any) -> None:
-        done[0] += 1
-        if progress is not None:
-            progress(phase, done[0], total)
-
-    return tick
 
 
 def _complete(out: Path, manifest: dict[str, Any]) -> bool:
@@ -234,7 +223,7 @@ def _finish(
     generation = (base["generation"] + 1) if base else 0
     split_of = assign_split(keys.hi, cfg.split)
     jobs, names = shard_jobs(out, units, summaries, keys, dedup.keep, split_of, cfg, generation)
-    tick = _ticker(progress, "write", len(jobs))
+    tick = ticker(progress, "write", len(jobs))
     written = map_bounded(write_shard, jobs, ray_cfg.num_workers, on_done=tick)
     return {
         "generation": generation,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from rich.progress import (
     BarColumn,
@@ -46,3 +47,15 @@ def make_reporter(logger: logging.Logger | logging.LoggerAdapter[logging.Logger]
             logger.info("%s: %d/%d", phase, done, total)
 
     return log
+
+
+def ticker(progress: Reporter | None, phase: str, total: int) -> Callable[[int, Any], None]:
+    """An `on_done` callback for `map_bounded` that reports `phase` progress out of `total`."""
+    done = [0]
+
+    def tick(_index: int, _result: Any) -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(phase, done[0], total)
+
+    return tick

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.io import safe_join, sha256_file
+from tasks.schema import SCHEMA_VERSION
 
 
 @dataclass(frozen=True)
@@ -115,3 +116,35 @@ def remove_stale_temps(out: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
         else:
             stale.unlink(missing_ok=True)
+
+
+def manifest_header(
+    stage: str, fp: str, config: dict[str, Any], code: dict[str, Any], inputs: dict[str, Any]
+) -> dict[str, Any]:
+    """The keys every stage manifest starts with: what, which version, from what, by what code."""
+    return {
+        "stage": stage,
+        "schema_version": SCHEMA_VERSION,
+        "fingerprint": fp,
+        "config": config,
+        "code": code,
+        "inputs": inputs,
+    }
+
+
+def complete_sharded(out: Path) -> dict[str, Any] | None:
+    """The manifest of a complete sharded output (every split's shards present), else None."""
+    path = out / "manifest.json"
+    if not path.is_file():
+        return None
+    manifest: dict[str, Any] = json.loads(path.read_text())
+    return manifest if files_complete(out, [s for _, s in shards_of(manifest)]) else None
+
+
+def open_staging(out: Path) -> Path:
+    """Create `out/_staging/` and delete the temp files a killed run left in either."""
+    staging = out / "_staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob(".*.tmp-*"), *staging.glob(".*.tmp-*")]:
+        stale.unlink(missing_ok=True)  # never read as outputs
+    return staging

@@ -34,6 +34,7 @@ from tasks.stage import (
     commit_dir,
     complete_manifest,
     file_entry,
+    manifest_header,
     read_upstream,
     remove_stale_temps,
     shards_of,
@@ -132,12 +133,7 @@ def run_tokenizer(cfg: TokenizerConfig, ingest_dir: Path, workspace: Path) -> St
         "characters": counter["characters"],
     }
     manifest = {
-        "stage": STAGE,
-        "schema_version": schema.SCHEMA_VERSION,
-        "fingerprint": fp,
-        "config": config,
-        "code": code,
-        "inputs": inputs,
+        **manifest_header(STAGE, fp, config, code, inputs),
         "ingest": {"fingerprint": ingest["fingerprint"], "path": str(ingest_dir)},
         "special_tokens": {t: tok.token_to_id(t) for t in [*special_tokens(cfg), *sentinels(cfg)]},
         "tags": {"tokenizer_sha256": sha256_file(tmp / "tokenizer.json")},

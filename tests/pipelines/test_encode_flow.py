@@ -187,21 +187,24 @@ def test_failed_encode_resumes_from_its_finished_shards_to_clean_bytes(
     stages = tokenizer_flow(cfg)
     ingest, tok = Path(stages["ingest"]["path"]), Path(stages["tokenizer"]["path"])
     clean = run_encode(cfg.encode, cfg.ray, ingest, tok, tmp_path / "clean")
-    names = [s["name"] for entry in clean.manifest["splits"].values() for s in entry["shards"]]
-    assert len(names) > 3
+    shards = [s for entry in clean.manifest["splits"].values() for s in entry["shards"]]
+    assert len(shards) > 3
+    # Parts start largest first (stable among equals): block the one that starts last.
+    last = sorted(shards, key=lambda s: -(s["source"]["stop"] - s["source"]["start"]))[-1]
+    others = [s["name"] for s in shards if s is not last]
     out = tmp_path / "ws" / "encode" / clean.path.name
-    (out / names[-1]).mkdir(parents=True)  # the last shard cannot be committed: the run fails
+    (out / last["name"]).mkdir(parents=True)  # this shard cannot be committed: the run fails
     with pytest.raises(Exception, match="Is a directory"):
         run_encode(cfg.encode, cfg.ray, ingest, tok, tmp_path / "ws")
     assert not (out / "manifest.json").exists()
-    finished = {n: (out / n).stat().st_ino for n in names[:-1]}
+    finished = {n: (out / n).stat().st_ino for n in others}
     assert len(list((out / "_staging").glob("*.json"))) == len(finished)
-    (out / names[-1]).rmdir()
+    (out / last["name"]).rmdir()
 
     resumed = run_encode(cfg.encode, cfg.ray, ingest, tok, tmp_path / "ws")
     assert not resumed.reused
     assert resumed.manifest["splits"] == clean.manifest["splits"]  # names, sizes, sha256
-    assert {n: (out / n).stat().st_ino for n in names[:-1]} == finished  # not encoded again
+    assert {n: (out / n).stat().st_ino for n in others} == finished  # not encoded again
     assert not list(out.glob(".*"))
     assert not (out / "_staging").exists()
     assert run_encode(cfg.encode, cfg.ray, ingest, tok, tmp_path / "ws").reused
