@@ -439,40 +439,45 @@ def cut_examples(
     return _span_examples(docs, cfg, ctx)
 
 
-def _static_mask(
+def _mlm_columns(
     ids: np.ndarray,
     lengths: np.ndarray,
     starts: np.ndarray,
     cfg: ExamplesConfig,
     ctx: ShardContext,
     copy: int,
-) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
-    sp = ctx.specials
-    assert sp.mask is not None
-    maskable = maskable_positions(ids, lengths, sp)
-    word_starts = None
-    if cfg.mask.whole_word and ctx.word_starts is not None:
-        word_starts = ctx.word_starts[ids] | starts
-    keys = sample_keys(shard_seed(ctx.seed, ctx.shard, copy), 0, np.arange(len(ids)))
-    result = mask_tokens(ids, maskable, word_starts, keys, cfg.mask, sp.mask, ctx.random_ids)
-    stats = {
-        "maskable_tokens": int(result.maskable),
-        "chosen_tokens": int(result.chosen),
-        "mask_token": int(result.masked),
-        "random_token": int(result.randomized),
-        "kept_token": int(result.kept),
-    }
-    return result.input_ids, result.labels, stats
+) -> tuple[dict[str, pa.Array], dict[str, int]]:
+    """`input_ids` (masked when masking is static), `length` and static `labels`; counts."""
+    stats = _token_stats(lengths, ids.shape[1])
+    columns = {schema.LENGTH: pa.array(lengths.astype(np.int32))}
+    if cfg.masking == "static":
+        sp = ctx.specials
+        assert sp.mask is not None
+        maskable = maskable_positions(ids, lengths, sp)
+        word_starts = None
+        if cfg.mask.whole_word and ctx.word_starts is not None:
+            word_starts = ctx.word_starts[ids] | starts
+        keys = sample_keys(shard_seed(ctx.seed, ctx.shard, copy), 0, np.arange(len(ids)))
+        result = mask_tokens(ids, maskable, word_starts, keys, cfg.mask, sp.mask, ctx.random_ids)
+        ids = result.input_ids
+        columns[schema.LABELS] = fixed(result.labels, pa.int32())
+        stats |= {
+            "maskable_tokens": result.maskable,
+            "chosen_tokens": result.chosen,
+            "mask_token": result.masked,
+            "random_token": result.randomized,
+            "kept_token": result.kept,
+        }
+    return {schema.INPUT_IDS: fixed(ids, ctx.ids), **columns}, stats
 
 
 def _pair_examples(
     docs: EncodedDocs, cfg: ExamplesConfig, ctx: ShardContext, random_doc: RandomDoc
 ) -> tuple[pa.Table, dict[str, int]]:
-    length = cfg.max_seq_length
-    label_name = (
-        schema.NEXT_SENTENCE_LABEL if cfg.objective == "bert" else schema.SENTENCE_ORDER_LABEL
+    label = schema.NEXT_SENTENCE_LABEL if cfg.objective == "bert" else schema.SENTENCE_ORDER_LABEL
+    out_schema = schema.examples_schema(
+        cfg.objective, cfg.max_seq_length, ctx.ids, labels=cfg.masking == "static"
     )
-    static = cfg.masking == "static"
     tables: list[pa.Table] = []
     totals: dict[str, int] = {}
     for copy in range(cfg.dupe_factor):
@@ -480,31 +485,18 @@ def _pair_examples(
         for d in range(docs.documents):
             rng = example_rng(ctx.seed, ctx.shard, copy, d)
             pairs += document_pairs(docs.sentences(d), ctx.doc_base + d, cfg, rng, random_doc)
-        ids, types, lengths, starts = pair_rows(pairs, ctx.specials, length)
-        columns = {
-            schema.INPUT_IDS: ids,
-            schema.TOKEN_TYPE_IDS: types,
-        }
-        stats = _token_stats(lengths, length)
-        if static:
-            masked, labels, mask_stats = _static_mask(ids, lengths, starts, cfg, ctx, copy)
-            columns[schema.INPUT_IDS] = masked
-            stats |= mask_stats
-        labels_col = np.fromiter((p.label for p in pairs), np.int8, len(pairs))
-        stats["positive_labels"] = int(labels_col.sum())
+        ids, types, lengths, starts = pair_rows(pairs, ctx.specials, cfg.max_seq_length)
+        columns, stats = _mlm_columns(ids, lengths, starts, cfg, ctx, copy)
+        labels = np.fromiter((p.label for p in pairs), np.int8, len(pairs))
+        stats["positive_labels"] = int(labels.sum())
         stats["single_segment_pairs"] = sum(p.single for p in pairs)
-        arrays = {
-            schema.INPUT_IDS: fixed(columns[schema.INPUT_IDS], ctx.ids),
+        columns |= {
             schema.TOKEN_TYPE_IDS: fixed(types, pa.uint8()),
-            schema.LENGTH: pa.array(lengths.astype(np.int32)),
-            label_name: pa.array(labels_col),
+            label: pa.array(labels),
             schema.SOURCE_DOC: pa.array(np.fromiter((p.doc for p in pairs), np.int64, len(pairs))),
             schema.PAIR_DOC: pa.array(np.fromiter((p.b_doc for p in pairs), np.int64, len(pairs))),
         }
-        if static:
-            arrays[schema.LABELS] = fixed(labels, pa.int32())
-        out_schema = schema.examples_schema(cfg.objective, length, ctx.ids, labels=static)
-        tables.append(pa.table(arrays, schema=out_schema))
+        tables.append(pa.table(columns, schema=out_schema))
         totals = _add(totals, stats)
     return pa.concat_tables(tables), totals
 
@@ -515,24 +507,16 @@ def _roberta_examples(
     sp = ctx.specials
     assert sp.cls is not None
     assert sp.sep is not None
-    length = cfg.max_seq_length
-    sequences = full_sentences(docs, length - 2, sp.sep)
-    static = cfg.masking == "static"
+    sequences = full_sentences(docs, cfg.max_seq_length - 2, sp.sep)
+    ids, starts, lengths = single_rows(sequences, sp.cls, sp.sep, sp.pad, cfg.max_seq_length)
+    out_schema = schema.examples_schema(
+        "roberta", cfg.max_seq_length, ctx.ids, labels=cfg.masking == "static"
+    )
     tables: list[pa.Table] = []
     totals: dict[str, int] = {}
     for copy in range(cfg.dupe_factor):
-        ids, starts, lengths = single_rows(sequences, sp.cls, sp.sep, sp.pad, length)
-        stats = _token_stats(lengths, length)
-        arrays = {schema.LENGTH: pa.array(lengths.astype(np.int32))}
-        if static:
-            ids_out, labels, mask_stats = _static_mask(ids, lengths, starts, cfg, ctx, copy)
-            arrays[schema.LABELS] = fixed(labels, pa.int32())
-            stats |= mask_stats
-        else:
-            ids_out = ids
-        arrays = {schema.INPUT_IDS: fixed(ids_out, ctx.ids), **arrays}
-        out_schema = schema.examples_schema("roberta", length, ctx.ids, labels=static)
-        tables.append(pa.table(arrays, schema=out_schema))
+        columns, stats = _mlm_columns(ids, lengths, starts, cfg, ctx, copy)
+        tables.append(pa.table(columns, schema=out_schema))
         totals = _add(totals, stats)
     return pa.concat_tables(tables), totals
 
