@@ -210,7 +210,7 @@ def merge_at_sentinels(inputs: np.ndarray, targets: np.ndarray, top: int, eos: i
     spans: dict[int, list[int]] = {}
     current = None
     for t in targets[:-1]:  # drop EOS
-        if top - 1000 < t <= top and t > top - 100:
+        if top - 100 < t <= top:  # one of the 100 sentinels, counted down from <extra_id_0>
             current = int(t)
             spans[current] = []
         else:
