@@ -78,6 +78,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     examples.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
     examples.add_argument("--count", type=int, default=3, help="inspect: examples to print")
+    pretrain = sub.add_parser(
+        "pretrain",
+        help="the data stages (reused when done), then DeepSpeed pretraining on Ray Train",
+        description="Pretrain train.model on the examples with DeepSpeed inside Ray Train, "
+        "checkpointing every train.checkpoint.every_steps under <workspace>/pretrain/<run>/; "
+        "then export to Hugging Face format, check the reload and register the model in MLflow. "
+        "A finished run with the same inputs and config is reused; --resume continues a "
+        "stopped one from its newest valid checkpoint.",
+    )
+    _add_config_args(pretrain)
+    pretrain.add_argument(
+        "--resume", action="store_true", help="continue a stopped run of this config"
+    )
+    export = sub.add_parser(
+        "export",
+        help="export a training checkpoint to a Hugging Face directory",
+        description="Validate CHECKPOINT (a checkpoint_step-* directory) against its meta.json, "
+        "gather its full weights (any ZeRO stage), save them as safetensors with the tokenizer "
+        "and a model card, and check that the reload reproduces the training-time loss.",
+    )
+    export.add_argument("checkpoint", type=Path, help="a checkpoint_step-NNNNNNNNN directory")
+    export.add_argument("--out", type=Path, default=None, help="default: CHECKPOINT.export")
     run = sub.add_parser(
         "run",
         help="the whole pipeline, every stage that exists, on one config",
@@ -111,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo-corpus":
         return _demo_corpus(args.out, args.seed, args.documents)
+    if args.command == "export":
+        return _export(args.checkpoint, args.out)
     inspect = args.command == "examples" and str(args.config) == "inspect"
     if inspect:
         if not args.overrides:
@@ -133,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "encode": _run_encode,
         "examples": _run_examples,
         "run": _run_pipeline,
+        "pretrain": lambda c: _run_pretrain(c, args.resume),
     }
     stages = commands[args.command](cfg)
     if inspect:
@@ -162,6 +187,26 @@ def _run_examples(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     from pipelines.examples_flow import examples_flow
 
     return examples_flow(cfg)
+
+
+def _run_pretrain(cfg: RunConfig, resume: bool) -> dict[str, dict[str, Any]]:
+    from pipelines.pretrain_flow import pretrain_flow
+
+    return pretrain_flow(cfg, resume)
+
+
+def _export(checkpoint: Path, out: Path | None) -> int:
+    from training.checkpoint import CheckpointError
+    from training.pretrain import export_checkpoint
+
+    target = out or checkpoint.with_name(checkpoint.name + ".export")
+    try:
+        path, card = export_checkpoint(checkpoint, target)
+    except CheckpointError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    console.print(f"exported {card.family}-{card.size} (step {card.steps}) to {path}")
+    return 0
 
 
 def _inspect(stages: dict[str, dict[str, Any]], count: int) -> int:
@@ -196,6 +241,9 @@ def _summarise(stages: dict[str, dict[str, Any]]) -> int:
     table.add_column("what")
     table.add_column("value", justify="right")
     for name, result in stages.items():
+        if name == "pretrain":
+            _pretrain_rows(table, result)
+            continue
         manifest = json.loads((Path(result["path"]) / "manifest.json").read_text())
         rows = _ingest_rows(manifest) if name == "ingest" else _metric_rows(manifest["metrics"])
         status = "reused" if result["reused"] else "built"
@@ -205,6 +253,18 @@ def _summarise(stages: dict[str, dict[str, Any]]) -> int:
             table.add_row(name if i == 0 else "", what, value, end_section=i == len(rows) - 1)
     console.print(table)
     return 0
+
+
+def _pretrain_rows(table: Table, result: dict[str, Any]) -> None:
+    rows = [("step", str(result["step"])), ("finished", str(result["finished"]))]
+    rows += _metric_rows(result.get("metrics", {}))
+    rows += [
+        (k.replace("_", " "), str(result[k]))
+        for k in ("checkpoint", "export_dir", "model_name", "model_version", "model_uri")
+        if k in result
+    ]
+    for i, (what, value) in enumerate(rows):
+        table.add_row("pretrain" if i == 0 else "", what, value, end_section=i == len(rows) - 1)
 
 
 def _metric_rows(metrics: dict[str, float]) -> list[tuple[str, str]]:

@@ -19,6 +19,7 @@ from tasks.examples import ExamplesConfig
 from tasks.ingest import IngestConfig
 from tasks.ray_runtime import RayConfig
 from tasks.tokenizer import TokenizerConfig
+from training.config import TrainConfig
 from training.tracking import TrackingConfig
 
 
@@ -44,6 +45,7 @@ class RunConfig(BaseModel):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     encode: EncodeConfig = Field(default_factory=EncodeConfig)
     examples: ExamplesConfig = Field(default_factory=ExamplesConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
 
     @field_validator("name")
     @classmethod

@@ -1,4 +1,4 @@
-"""The `pipeline` flow: every stage that exists, in order (ingest → ... → examples so far)."""
+"""The `pipeline` flow: every stage that exists, in order (ingest → ... → pretrain so far)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow
 
 from pipelines.config import RunConfig, load_config
-from pipelines.examples_flow import examples_flow
+from pipelines.pretrain_flow import pretrain_flow
 
 
 @flow(name="pipeline")
@@ -18,7 +18,7 @@ def pipeline_flow(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     Each stage flow runs its upstream stages first; a stage whose fingerprint (inputs, config
     section, code) is unchanged reuses its output.
     """
-    return examples_flow(cfg)
+    return pretrain_flow(cfg)
 
 
 if __name__ == "__main__":

@@ -213,7 +213,10 @@ def write_corpus(out: Path, cfg: SyntheticConfig) -> list[Path]:
     files = []
     for part in range(cfg.parts):
         path = out / "corpus" / f"part-{part:03d}.jsonl.gz"
-        with atomic_writer(path) as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+        with (
+            atomic_writer(path) as raw,
+            gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz,
+        ):
             for i in range(part, len(docs), cfg.parts):
                 gz.write((json.dumps({"id": i, "text": docs[i]}) + "\n").encode())
         files.append(path)

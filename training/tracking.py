@@ -128,6 +128,34 @@ def stage_run(
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
+    run_id = open_run(cfg, tracking_uri, workspace, run_name, tags)
+    tracker = MlflowTracker(tracking_uri, run_id)
+    try:
+        yield tracker
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED")
+
+
+def open_run(
+    cfg: TrackingConfig,
+    tracking_uri: str,
+    workspace: Path,
+    run_name: str,
+    tags: Mapping[str, str],
+    run_id: str | None = None,
+) -> str:
+    """Create a RUNNING run in the configured experiment, or reopen `run_id`; return its id.
+
+    With a local SQLite store, the experiment's artifacts go to `<workspace>/mlartifacts`.
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    if run_id is not None:
+        client.update_run(run_id, status="RUNNING")
+        return run_id
     experiment = client.get_experiment_by_name(cfg.experiment)
     if experiment is None:
         location = None
@@ -137,10 +165,11 @@ def stage_run(
     else:
         experiment_id = experiment.experiment_id
     run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags))
-    tracker = MlflowTracker(tracking_uri, run.info.run_id)
-    try:
-        yield tracker
-    except BaseException:
-        client.set_terminated(run.info.run_id, "FAILED")
-        raise
-    client.set_terminated(run.info.run_id, "FINISHED")
+    return str(run.info.run_id)
+
+
+def set_run_status(tracking_uri: str, run_id: str, status: str) -> None:
+    """End a run as FINISHED, FAILED or KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri).set_terminated(run_id, status)

@@ -1,0 +1,174 @@
+"""Unit tests of the loop's parts: checkpoint protocol, data order, guards, DeepSpeed config."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from training import checkpoint as ckpt
+from training.config import GuardConfig, TrainConfig
+from training.data import Cursor, DataError, GlobalOrder, rank_micro_batches
+from training.deepspeed import deepspeed_config, param_groups
+from training.guard import LossGuard, TrainingDivergedError
+
+
+def make_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
+    path = run_dir / ckpt.checkpoint_name(step)
+    (path / "ds").mkdir(parents=True)
+    (path / "ds" / "mp_rank_00_model_states.pt").write_bytes(b"weights" * step)
+    (path / "rng-rank00000.pt").write_bytes(b"rng")
+    if complete:
+        ckpt.write_meta(path, {"step": step, "config_hash": "abc"})
+    return path
+
+
+def test_validate_accepts_a_complete_checkpoint(tmp_path: Path) -> None:
+    path = make_checkpoint(tmp_path, 3)
+    assert ckpt.validate(path, "abc")["step"] == 3
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: (p / "ds" / "mp_rank_00_model_states.pt").write_bytes(b"flipped"), "sha256"),
+        (lambda p: (p / "rng-rank00000.pt").unlink(), "missing"),
+        (lambda p: (p / "stray.pt").write_bytes(b"x"), "not in meta.json"),
+        (lambda p: (p / "meta.json").unlink(), "no meta.json"),
+        (lambda p: (p / "meta.json").write_text("{trunc"), "unreadable"),
+    ],
+)
+def test_validate_refuses_a_damaged_checkpoint(tmp_path: Path, damage, message: str) -> None:  # type: ignore[no-untyped-def]
+    path = make_checkpoint(tmp_path, 3)
+    damage(path)
+    with pytest.raises(ckpt.CheckpointError, match=message):
+        ckpt.validate(path)
+
+
+def test_validate_refuses_another_configuration(tmp_path: Path) -> None:
+    with pytest.raises(ckpt.CheckpointError, match="another configuration"):
+        ckpt.validate(make_checkpoint(tmp_path, 3), "other")
+
+
+def test_resume_prefers_a_newer_valid_orphan_over_rays_checkpoint(tmp_path: Path) -> None:
+    reported = make_checkpoint(tmp_path, 3)
+    orphan = make_checkpoint(tmp_path, 6)  # complete but never registered by Ray
+    found = ckpt.find_resumable(tmp_path, reported, "abc")
+    assert found is not None
+    assert found.path == orphan
+
+
+def test_resume_falls_back_when_rays_checkpoint_is_corrupt(tmp_path: Path) -> None:
+    older = make_checkpoint(tmp_path, 3)
+    reported = make_checkpoint(tmp_path, 6)
+    (reported / "rng-rank00000.pt").write_bytes(b"corrupt")
+    make_checkpoint(tmp_path, 9, complete=False)  # a save cut off before meta.json
+    found = ckpt.find_resumable(tmp_path, reported, "abc")
+    assert found is not None
+    assert found.path == older
+
+
+def test_incomplete_checkpoints_are_removed_and_old_ones_pruned(tmp_path: Path) -> None:
+    for step in (3, 6, 9):
+        make_checkpoint(tmp_path, step)
+    partial = make_checkpoint(tmp_path, 12, complete=False)
+    assert ckpt.remove_incomplete(tmp_path, None) == [partial]
+    ckpt.prune(tmp_path, keep_last=2)
+    assert [s for s, _ in ckpt.checkpoint_dirs(tmp_path)] == [9, 6]
+
+
+def test_global_order_is_a_permutation_per_epoch_that_drops_the_tail() -> None:
+    order = GlobalOrder(size=10, seed=7, global_batch=4)
+    cursor, seen = Cursor(), []
+    for _ in range(4):
+        epoch, ids, cursor = order.next_batch(cursor)
+        seen.append((epoch, ids.tolist()))
+    assert [e for e, _ in seen] == [0, 0, 1, 1]
+    first_epoch = seen[0][1] + seen[1][1]
+    assert len(set(first_epoch)) == 8
+    assert not np.array_equal(order.permutation(0), order.permutation(1))
+    assert cursor.samples == 16
+
+
+def test_cursor_continues_identically_after_a_restart() -> None:
+    a = GlobalOrder(size=50, seed=1, global_batch=8)
+    cursor = Cursor()
+    for _ in range(3):
+        _, _, cursor = a.next_batch(cursor)
+    b = GlobalOrder(size=50, seed=1, global_batch=8)  # a new process
+    assert np.array_equal(a.next_batch(cursor)[1], b.next_batch(Cursor(**vars(cursor)))[1])
+
+
+def test_ranks_split_a_global_batch_without_overlap() -> None:
+    ids = np.arange(16)
+    parts = [rank_micro_batches(ids, r, 2, 4) for r in range(2)]
+    flat = np.concatenate([m for p in parts for m in p])
+    assert sorted(flat.tolist()) == list(range(16))
+    assert [len(p) for p in parts] == [2, 2]
+
+
+def test_a_split_smaller_than_a_global_batch_is_refused() -> None:
+    with pytest.raises(DataError, match="global_batch_size"):
+        GlobalOrder(size=3, seed=0, global_batch=8)
+
+
+def test_guard_stops_on_a_nonfinite_loss_by_default() -> None:
+    guard = LossGuard(GuardConfig())
+    with pytest.raises(TrainingDivergedError, match="non-finite loss at step 5"):
+        guard.check(torch.tensor(math.nan), 4)
+
+
+def test_guard_skips_spikes_and_stops_after_too_many() -> None:
+    guard = LossGuard(GuardConfig(spike_factor=3.0, on_spike="skip", max_skips=1))
+    for step in range(6):
+        assert guard.check(torch.tensor(2.0), step) == "ok"
+        guard.step_done(False)
+    assert guard.check(torch.tensor(7.0), 6) == "skip"
+    guard.step_done(True)
+    with pytest.raises(TrainingDivergedError, match="in a row"):
+        guard.check(torch.tensor(9.0), 7)
+    restored = LossGuard(GuardConfig(spike_factor=3.0, max_skips=1))
+    restored.load_state(guard.state())
+    assert restored.state() == guard.state()
+
+
+def test_deepspeed_config_follows_the_typed_config() -> None:
+    cfg = TrainConfig.model_validate(
+        {
+            "global_batch_size": 32,
+            "micro_batch_size": 4,
+            "zero_stage": 3,
+            "precision": "bf16",
+            "optim": {"decay": "cosine", "warmup_steps": 5},
+            "deepspeed_extra": {"zero_optimization": {"reduce_bucket_size": 1000}},
+        }
+    )
+    ds = deepspeed_config(cfg, world_size=2)
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["zero_optimization"] == {
+        "stage": 3,
+        "stage3_gather_16bit_weights_on_model_save": False,
+        "reduce_bucket_size": 1000,
+    }
+    assert ds["bf16"]["enabled"]
+    assert ds["scheduler"]["type"] == "WarmupCosineLR"
+    with pytest.raises(ValueError, match="multiple of"):
+        deepspeed_config(cfg, world_size=3)
+
+
+def test_fp16_without_a_gpu_is_refused() -> None:
+    with pytest.raises(ValueError, match="fp16 needs a GPU"):
+        TrainConfig(precision="fp16")
+
+
+def test_no_weight_decay_on_biases_and_norms() -> None:
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decay, no_decay = param_groups(
+        [(f"{i}.{n}", p) for i, m in enumerate(layer) for n, p in m.named_parameters()], 0.1
+    )
+    assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
+    assert len(no_decay["params"]) == 3
+    assert no_decay["weight_decay"] == 0.0

@@ -1,0 +1,145 @@
+"""The `train` section: what to pretrain, on how many workers, and how (optimizer, precision, ZeRO).
+
+The DeepSpeed dict is derived from this (`training/deepspeed.py`), never hand-written; extra
+DeepSpeed keys can still be passed through `deepspeed_extra`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from training.models import ModelConfig
+
+
+class OptimConfig(BaseModel):
+    """AdamW with warm-up then decay; no weight decay on biases and norms."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    eps: float = Field(1e-6, gt=0, description="Adam epsilon.")
+    weight_decay: float = Field(
+        0.01, ge=0, description="Decoupled weight decay (not on biases/norms)."
+    )
+    grad_clip: float = Field(
+        1.0, ge=0, description="Max global gradient norm; 0 turns clipping off."
+    )
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps from 0 to `lr`.")
+    decay: Literal["linear", "cosine", "constant"] = Field(
+        "linear", description="Learning-rate decay after warm-up, down to `min_lr_ratio * lr`."
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate / peak.")
+
+
+class GuardConfig(BaseModel):
+    """What a non-finite or spiking loss does."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="A NaN/inf loss stops the run (stop) or leaves the weights as they "
+        "were for that step (skip).",
+    )
+    spike_factor: float | None = Field(
+        None,
+        gt=1,
+        description="A loss above this factor times the running mean is a spike; "
+        "None turns spike detection off.",
+    )
+    spike_window: int = Field(20, ge=2, description="Steps in the running mean of the loss.")
+    on_spike: Literal["stop", "skip"] = Field("skip", description="What a spike does.")
+    max_skips: int = Field(10, ge=0, description="Skipped steps in a row before the run stops.")
+
+
+class ScaleConfig(BaseModel):
+    """How many Ray Train workers, and what each gets."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks).")
+    use_gpu: bool = Field(False, description="One GPU per worker.")
+    cpus_per_worker: float = Field(1, gt=0, description="Logical CPUs Ray reserves per worker.")
+    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per worker.")
+    max_failures: int = Field(
+        2, ge=-1, description="Worker-group restarts from the latest checkpoint (-1: no limit)."
+    )
+    backend: Literal["gloo", "nccl"] | None = Field(
+        None, description="torch.distributed backend; default nccl on GPU, gloo on CPU."
+    )
+
+
+class CheckpointConfig(BaseModel):
+    """Where and how often checkpoints are written."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    every_steps: int = Field(50, ge=1, description="Save every N optimizer steps (and at the end).")
+    keep_last: int = Field(
+        2, ge=1, description="Complete checkpoints kept; older ones are removed."
+    )
+    storage_path: Path | None = Field(
+        None, description="Directory (local or shared) for runs; default <workspace>/pretrain."
+    )
+
+
+class EvalConfig(BaseModel):
+    """Held-out evaluation on the examples' validation split."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    every_steps: int = Field(50, ge=1, description="Evaluate every N steps (and at the end).")
+    max_samples: int = Field(512, ge=1, description="Validation examples per evaluation.")
+
+
+class TrainConfig(BaseModel):
+    """Pretraining: model, batch, optimizer, precision, ZeRO stage, checkpoints, evaluation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
+    global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step, all ranks.")
+    micro_batch_size: int = Field(8, ge=1, description="Samples per forward pass on one rank.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Compute precision; fp16 needs a GPU (loss scaling)."
+    )
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    compile: bool = Field(False, description="torch.compile the model.")
+    sparse_mlm: bool = Field(
+        True, description="Compute masked-LM logits only at masked positions (as BERT does)."
+    )
+    document_masking: bool = Field(
+        False, description="causal: restart positions and block attention at document starts."
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    scale: ScaleConfig = Field(default_factory=ScaleConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    log_every_steps: int = Field(1, ge=1, description="Log training metrics every N steps.")
+    log_sample_ids: bool = Field(
+        False, description="Write the global sample ids each rank consumes, per step (audits)."
+    )
+    verify_shards: bool = Field(True, description="Check each example shard's sha256 at start.")
+    deepspeed_extra: dict[str, Any] = Field(
+        default_factory=dict, description="Extra DeepSpeed config keys, merged over the generated."
+    )
+    model_name: str | None = Field(
+        None, description="Registered model name; default <run name>-<family>."
+    )
+    alias: str = Field("candidate", description="Registry alias set on the new model version.")
+
+    @model_validator(mode="after")
+    def _fp16_needs_gpu(self) -> TrainConfig:
+        if self.precision == "fp16" and not self.scale.use_gpu:
+            raise ValueError("precision fp16 needs a GPU (scale.use_gpu); use bf16 or fp32 on CPU")
+        return self
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step; the global batch must split evenly."""
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} must be a multiple of "
+                f"train.micro_batch_size ({self.micro_batch_size}) x workers ({world_size})"
+            )
+        return self.global_batch_size // per_step

@@ -1,0 +1,112 @@
+"""The DeepSpeed config, derived from `TrainConfig` (never hand-edited JSON), and param groups.
+
+Nothing here imports DeepSpeed: the dict is plain data, logged with the run and stored in every
+checkpoint's `meta.json` and in the registry's lineage tags.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from training.config import TrainConfig
+
+# torch.optim.AdamW in DeepSpeed's wrapper: FusedAdam needs CUDA and DeepSpeedCPUAdam a JIT
+# compile; torch's own (foreach) AdamW is as fast on CPU and identical across hosts.
+_NORM_OR_BIAS = ("bias", "norm", "layernorm", "layer_norm", "ln_")
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config for `cfg` on `world_size` data-parallel ranks.
+
+    `cfg.deepspeed_extra` is merged last (nested dicts merge key by key), so a user can set
+    any DeepSpeed key the typed config does not cover.
+    """
+    accum = cfg.accumulation_steps(world_size)
+    opt = cfg.optim
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    if cfg.zero_stage == 3:
+        # Export gathers fp32 weights from the shards (zero_to_fp32); no 16-bit copy on save.
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    ds: dict[str, Any] = {
+        "train_batch_size": cfg.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": opt.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "fp16": {"enabled": cfg.precision == "fp16", "initial_scale_power": 16},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": opt.lr,
+                "betas": list(opt.betas),
+                "eps": opt.eps,
+                "weight_decay": opt.weight_decay,
+                "torch_adam": True,
+                "adam_w_mode": True,
+            },
+        },
+        "scheduler": _scheduler(cfg),
+        "steps_per_print": 1 << 30,  # lmpipe logs; DeepSpeed's own prints would interleave
+        "wall_clock_breakdown": False,
+    }
+    if cfg.zero_stage > 0:
+        ds["zero_allow_untested_optimizer"] = True
+    return merge(ds, cfg.deepspeed_extra)
+
+
+def _scheduler(cfg: TrainConfig) -> dict[str, Any]:
+    opt, total = cfg.optim, cfg.max_steps
+    warmup = max(opt.warmup_steps, 1)
+    if opt.decay == "cosine":
+        params: dict[str, Any] = {
+            "total_num_steps": total,
+            "warmup_min_ratio": 0.0,
+            "warmup_num_steps": warmup,
+            "cos_min_ratio": opt.min_lr_ratio,
+            "warmup_type": "linear",
+        }
+        return {"type": "WarmupCosineLR", "params": params}
+    params = {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": opt.lr,
+        "warmup_num_steps": warmup,
+        "warmup_type": "linear",
+    }
+    if opt.decay == "constant":
+        return {"type": "WarmupLR", "params": params}
+    # WarmupDecayLR decays linearly to 0; min_lr_ratio applies to cosine only (documented).
+    return {"type": "WarmupDecayLR", "params": {**params, "total_num_steps": max(total, warmup)}}
+
+
+def merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `extra` merged over it, recursively for nested dicts; neither is modified."""
+    out = copy.deepcopy(dict(base))
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def param_groups(
+    named: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float
+) -> list[dict[str, Any]]:
+    """Two AdamW groups: decay for weight matrices, none for biases, norms and 1-D params."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for name, param in named:
+        if not param.requires_grad:
+            continue
+        lowered = name.lower()
+        skip = param.ndim < 2 or any(part in lowered for part in _NORM_OR_BIAS)
+        (no_decay if skip else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]

@@ -1,0 +1,325 @@
+"""The per-worker pretraining loop: a DeepSpeed engine stepping over the seeded global order.
+
+`train_loop_per_worker(config)` is what Ray Train runs on every worker; `run_worker(job, ctx)`
+is the same loop for any `WorkerContext` (a plain process, e.g. a GPU benchmark without Ray).
+This is the only module that calls `deepspeed.initialize`; Ray is reached only through the
+context. The loop steps; checkpoints, evaluation and tracking happen every N steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+
+from tasks import schema
+from training import checkpoint as ckpt
+from training.config import TrainConfig
+from training.context import RayWorkerContext, WorkerContext
+from training.data import (
+    BatchBuilder,
+    Cursor,
+    ExampleShards,
+    GlobalOrder,
+    dynamic_masker,
+    rank_micro_batches,
+    read_manifest,
+)
+from training.deepspeed import deepspeed_config, param_groups
+from training.forward import flops_per_token, pretraining_loss
+from training.guard import LossGuard
+from training.models import build_model
+from training.telemetry import StepMeter, Telemetry
+
+log = logging.getLogger(__name__)
+
+
+class WorkerJob(BaseModel):
+    """Everything a worker needs: the train config, its inputs, and where to report."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    train: TrainConfig
+    seed: int
+    examples_dir: Path
+    tokenizer_dir: Path
+    config_hash: str
+    tracking_uri: str | None = None
+    run_id: str | None = None
+    stop_at_step: int | None = None  # end this attempt after that step, with a checkpoint
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train's entry point on every worker."""
+    job = WorkerJob.model_validate(config)
+    run_worker(job, RayWorkerContext())
+
+
+def run_worker(job: WorkerJob, ctx: WorkerContext) -> dict[str, float]:
+    """Train until `max_steps` (or `stop_at_step`); return the last evaluation's metrics."""
+    torch.set_num_threads(job.train.scale.threads_per_worker)
+    worker = Worker(job, ctx)
+    return worker.run()
+
+
+def _seed_for(seed: int, rank: int) -> int:
+    return int(np.random.SeedSequence([seed, rank, 0xD70]).generate_state(1, np.uint32)[0])
+
+
+def _dtype(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+class Worker:
+    """One rank's model, data and engine, and the steps it takes."""
+
+    def __init__(self, job: WorkerJob, ctx: WorkerContext) -> None:
+        """Open the data, build the model (same weights on every rank) and the engine."""
+        import deepspeed
+
+        self.job, self.ctx, self.cfg = job, ctx, job.train
+        manifest = read_manifest(job.examples_dir)
+        self.objective: str = manifest["objective"]
+        self.train_data = ExampleShards(job.examples_dir, "train", verify=self.cfg.verify_shards)
+        self.eval_data = ExampleShards(job.examples_dir, "validation", verify=False)
+        self.order = GlobalOrder(len(self.train_data), job.seed, self.cfg.global_batch_size)
+        self.build = BatchBuilder(
+            self.objective,
+            dynamic_masker(manifest, job.tokenizer_dir, job.seed),
+            self.cfg.document_masking,
+            _dtype(self.cfg.precision),
+        )
+        torch.manual_seed(job.seed)  # identical initial weights on every rank
+        length = manifest["config"][
+            "block_size" if self.objective == "causal" else "max_seq_length"
+        ]
+        specials = manifest["specials"]
+        model = build_model(
+            self.cfg.model, self.objective, specials["vocab_size"], specials, length
+        )
+        self.ds_config = deepspeed_config(self.cfg, ctx.world_size)
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=param_groups(model.named_parameters(), self.cfg.optim.weight_decay),
+            config=self.ds_config,
+        )
+        if self.cfg.compile:
+            for child in self.engine.module.children():
+                child.compile()
+        self.accum = self.cfg.accumulation_steps(ctx.world_size)
+        self.guard = LossGuard(self.cfg.guard)
+        self.telemetry = Telemetry(job, ctx, self._flops(manifest, length))
+        self.step, self.cursor, self.tokens_seen = 0, Cursor(), 0
+        torch.manual_seed(_seed_for(job.seed, ctx.rank))  # dropout differs across ranks
+
+    def _flops(self, manifest: dict[str, Any], length: int) -> float:
+        labels = self.train_data.columns.get(schema.LABELS)
+        return flops_per_token(
+            self.engine.module.config,
+            length,
+            self.objective,
+            mlm_probability=manifest["config"]["mask"]["masked_lm_prob"],
+            sparse_mlm=self.cfg.sparse_mlm,
+            target_len=labels[0].shape[1]
+            if labels and self.objective == "span_corruption"
+            else None,
+        )
+
+    # -- resume ---------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Load the newest valid checkpoint (chosen by rank 0, the same on every rank)."""
+        choice: list[Any] = [None]
+        if self.ctx.rank == 0:
+            found = ckpt.find_resumable(
+                self.ctx.run_dir, self.ctx.reported_checkpoint(), self.job.config_hash
+            )
+            ckpt.remove_incomplete(self.ctx.run_dir, found.path if found else None)
+            choice = [None if found is None else (str(found.path), found.meta)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return
+        path, meta = Path(choice[0][0]), choice[0][1]
+        self.engine.load_checkpoint(str(path), tag=ckpt.TAG)
+        self.step = int(meta["step"])
+        self.cursor = Cursor(**meta["cursor"])
+        self.tokens_seen = int(meta["tokens_seen"])
+        self.guard.load_state(meta["guard"])
+        rng = path / ckpt.rng_file(self.ctx.rank)
+        if meta["world_size"] == self.ctx.world_size and rng.is_file():
+            ckpt.set_rng_state(torch.load(rng, weights_only=False))
+        else:
+            log.warning(
+                "resuming %d ranks from %d: fresh dropout RNG",
+                self.ctx.world_size,
+                meta["world_size"],
+            )
+        log.info("resumed from %s (step %d, epoch %d)", path.name, self.step, self.cursor.epoch)
+        self.telemetry.resumed(self.step)
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, float]:
+        """Resume if a checkpoint exists, then step, evaluate and save until done."""
+        self.restore()
+        self._write_pid()
+        last = self.job.stop_at_step or self.cfg.max_steps
+        metrics: dict[str, float] = {}
+        if self.step == 0:  # the starting point of the held-out curve
+            metrics = self.evaluate()
+        while self.step < min(last, self.cfg.max_steps):
+            self.train_step()
+            final = self.step == min(last, self.cfg.max_steps)
+            evaluate = final or self.step % self.cfg.eval.every_steps == 0
+            save = final or self.step % self.cfg.checkpoint.every_steps == 0
+            if evaluate:
+                metrics = self.evaluate()
+            if save:
+                self.save(metrics)
+            elif evaluate:
+                self.ctx.report({"step": self.step, **metrics}, None)
+        return metrics
+
+    def train_step(self) -> None:
+        """One optimizer step over this rank's share of the next global batch."""
+        epoch, indices, after = self.order.next_batch(self.cursor)
+        micro = rank_micro_batches(
+            indices, self.ctx.rank, self.ctx.world_size, self.cfg.micro_batch_size
+        )
+        meter = StepMeter()
+        lr = self.engine.get_lr()[0]
+        skip = False
+        for i, ids in enumerate(micro):
+            batch = self._device(self.build(self.train_data.take(ids), ids, epoch))
+            out = pretraining_loss(self.engine.module, self.objective, batch, self.cfg.sparse_mlm)
+            verdict = self.guard.check(out.loss.detach(), self.step)
+            skip = skip or verdict == "skip"
+            if verdict == "ok" and not skip:
+                self.engine.backward(out.loss)
+            else:  # exact zero gradients, with no path through non-finite activations
+                self.engine.backward(_zero_loss(self.engine.module))
+            if skip and i == len(micro) - 1:
+                _zero_lr(self.engine)  # the step leaves the weights as they were
+            self.engine.step()
+            meter.add(out, batch)
+        self.guard.step_done(skip)
+        self.cursor = after
+        self.step += 1
+        grad_norm = self.engine.get_global_grad_norm()
+        self.tokens_seen += int(self.telemetry.step(self.step, meter, lr, grad_norm, skip))
+        if self.cfg.log_sample_ids:
+            self._log_sample_ids(np.concatenate(micro))
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics over the first `eval.max_samples` validation examples."""
+        self.engine.module.eval()
+        n = min(len(self.eval_data), self.cfg.eval.max_samples)
+        indices = np.arange(n - n % self.ctx.world_size)
+        meter = StepMeter()
+        with torch.no_grad():
+            for ids in rank_micro_batches(
+                indices, self.ctx.rank, self.ctx.world_size, self.cfg.micro_batch_size
+            ):
+                batch = self._device(self.build(self.eval_data.take(ids), ids, EVAL_EPOCH))
+                out = pretraining_loss(
+                    self.engine.module, self.objective, batch, self.cfg.sparse_mlm
+                )
+                meter.add(out, batch)
+        self.engine.module.train()
+        return self.telemetry.evaluation(self.step, meter)
+
+    def save(self, metrics: dict[str, float]) -> None:
+        """Commit a checkpoint (shards, RNG, then meta.json last), report it, prune old ones."""
+        path = self.ctx.run_dir / ckpt.checkpoint_name(self.step)
+        path.mkdir(parents=True, exist_ok=True)
+        client = {"lmpipe_step": self.step}
+        self.engine.save_checkpoint(str(path), tag=ckpt.TAG, client_state=client, save_latest=False)
+        torch.save(ckpt.rng_state(), path / ckpt.rng_file(self.ctx.rank))
+        reference = self.reference_loss()
+        _barrier()
+        if self.ctx.rank == 0:
+            ckpt.write_meta(path, self._meta(metrics) | {"reference": reference})
+        _barrier()
+        self.ctx.report({"step": self.step, **metrics}, path)
+        if self.ctx.rank == 0:
+            ckpt.prune(self.ctx.run_dir, self.cfg.checkpoint.keep_last)
+
+    def reference_loss(self) -> dict[str, Any]:
+        """The eval-mode loss of the fixed batch an export must reproduce (every rank runs it)."""
+        indices = reference_indices(len(self.eval_data), self.cfg.micro_batch_size)
+        batch = self._device(self.build(self.eval_data.take(indices), indices, EVAL_EPOCH))
+        self.engine.module.eval()
+        with torch.no_grad():
+            out = pretraining_loss(self.engine.module, self.objective, batch, self.cfg.sparse_mlm)
+        self.engine.module.train()
+        return {"indices": indices.tolist(), "loss": float(out.loss)}
+
+    def _meta(self, metrics: dict[str, float]) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "cursor": vars(self.cursor),
+            "seed": self.job.seed,
+            "world_size": self.ctx.world_size,
+            "tokens_seen": self.tokens_seen,
+            "config_hash": self.job.config_hash,
+            "objective": self.objective,
+            "guard": self.guard.state(),
+            "deepspeed": self.ds_config,
+            "train": self.cfg.model_dump(mode="json"),
+            "metrics": metrics,
+            "examples_dir": str(self.job.examples_dir),
+            "tokenizer_dir": str(self.job.tokenizer_dir),
+        }
+
+    def _write_pid(self) -> None:
+        # Operators (and the fault tests) find a rank's process here.
+        path = self.ctx.run_dir / "pids" / f"rank-{self.ctx.rank:05d}.pid"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{os.getpid()}\n")
+
+    def _device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        device = self.engine.device
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+    def _log_sample_ids(self, ids: np.ndarray) -> None:
+        # Appended per rank; a later attempt's line for a step replaces an earlier one.
+        path = self.ctx.run_dir / "samples" / f"rank-{self.ctx.rank:05d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = {"step": self.step, "world": self.ctx.world_size, "ids": ids.tolist()}
+        with open(path, "a") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+
+EVAL_EPOCH = (1 << 62) + 7  # dynamic masking of the validation split: fixed, apart from training
+
+
+def reference_indices(size: int, count: int) -> np.ndarray:
+    """The validation samples of the fixed reference batch: the first `count`."""
+    return np.arange(min(size, count))
+
+
+def _zero_loss(model: torch.nn.Module) -> torch.Tensor:
+    """A zero loss whose gradient is exactly 0 for every parameter."""
+    total = torch.zeros(())
+    for param in model.parameters():
+        if param.requires_grad:
+            total = total + param.sum() * 0.0
+    return total
+
+
+def _zero_lr(engine: Any) -> None:
+    # The scheduler sets the next step's rate from its own counter after this step.
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

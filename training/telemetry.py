@@ -1,0 +1,140 @@
+"""Training telemetry: per-step and evaluation metrics, throughput, MFU, the loss-curve PNG.
+
+Every rank measures; the sums are all-reduced; only rank 0 logs (to MLflow through the
+`Tracker` protocol). MFU = achieved model FLOP/s (`flops_per_token` x tokens/s) over the
+measured matmul peak of this machine in the training precision, both per worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from tasks import schema
+from training.forward import StepOutput, eval_metrics
+from training.tracking import MlflowTracker, NullTracker, Tracker
+
+if TYPE_CHECKING:
+    from training.context import WorkerContext
+    from training.loop import WorkerJob
+
+log = logging.getLogger(__name__)
+_PEAK_CACHE: dict[torch.dtype, float] = {}
+
+
+class StepMeter:
+    """Sums over micro-batches of `StepOutput.counts` (token-weighted, exact across ranks)."""
+
+    def __init__(self) -> None:
+        """Start empty."""
+        self.sums: dict[str, float] = defaultdict(float)
+
+    def add(self, out: StepOutput, batch: dict[str, torch.Tensor]) -> None:
+        """Add one micro-batch's output."""
+        for key, value in out.counts.items():
+            self.sums[key] += float(value)
+        self.sums["samples"] += batch[schema.INPUT_IDS].shape[0]
+
+    def reduced(self) -> dict[str, float]:
+        """The sums over every rank (same keys on every rank: one objective)."""
+        keys = sorted(self.sums)
+        if not dist.is_initialized():
+            return {k: self.sums[k] for k in keys}
+        values = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(values)
+        return dict(zip(keys, values.tolist(), strict=True))
+
+
+def metrics_from(sums: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """Token-weighted losses, accuracies and perplexity (`forward.eval_metrics`), prefixed."""
+    return {f"{prefix}{k}": v for k, v in eval_metrics(sums).items()}
+
+
+def measure_peak_flops(dtype: torch.dtype, seconds: float = 0.5) -> float:
+    """This process's dense matmul FLOP/s in `dtype` (square 1024 matmuls, best of a few)."""
+    if dtype in _PEAK_CACHE:
+        return _PEAK_CACHE[dtype]
+    n = 1024
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - start))
+    _PEAK_CACHE[dtype] = best
+    return best
+
+
+class Telemetry:
+    """Rank 0's logger of step and evaluation metrics; other ranks only join the reductions."""
+
+    def __init__(self, job: WorkerJob, ctx: WorkerContext, flops_per_token: float) -> None:
+        """Attach to the run's tracker (rank 0) and measure the matmul peak."""
+        cfg = job.train
+        self.rank, self.every = ctx.rank, cfg.log_every_steps
+        self.tracker: Tracker = NullTracker()
+        if ctx.rank == 0 and job.tracking_uri and job.run_id:
+            self.tracker = MlflowTracker(job.tracking_uri, job.run_id)
+        self.flops_per_token = flops_per_token
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        self.peak = measure_peak_flops(dtype[cfg.precision]) if not cfg.scale.use_gpu else 0.0
+        self.history: list[tuple[int, float]] = []
+        self.steps_file = ctx.run_dir / "steps.jsonl"
+        self.eval_history: list[tuple[int, float]] = []
+        self.last = time.perf_counter()
+
+    def resumed(self, step: int) -> None:
+        """Drop history past `step` (those steps are trained again) and restart the clock."""
+        self.history = [h for h in self.history if h[0] <= step]
+        self.last = time.perf_counter()
+
+    def step(self, step: int, meter: StepMeter, lr: float, grad_norm: Any, skipped: bool) -> float:
+        """Reduce one step's sums, log them every `log_every_steps`; return its input tokens."""
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        sums = meter.reduced()
+        metrics = metrics_from(sums)
+        self.history.append((step, metrics["loss"]))
+        tokens = sums.get("input_tokens", 0.0)
+        if self.rank != 0:
+            return tokens
+        # Every step's full-precision loss, appended: a replayed step's later line wins.
+        with open(self.steps_file, "a") as handle:
+            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        if step % self.every:
+            return tokens
+        tokens_s = sums["input_tokens"] / elapsed
+        metrics |= {
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "tokens_per_s": tokens_s,
+            "samples_per_s": sums["samples"] / elapsed,
+            "step_time_s": elapsed,
+            "skipped": float(skipped),
+        }
+        if self.peak:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            metrics["mfu"] = self.flops_per_token * tokens_s / (self.peak * world)
+        self.tracker.log_metrics({f"train_{k}": v for k, v in metrics.items()}, step=step)
+        return tokens
+
+    def evaluation(self, step: int, meter: StepMeter) -> dict[str, float]:
+        """Reduce and log held-out metrics; return them (the same on every rank)."""
+        metrics = metrics_from(meter.reduced(), prefix="eval_")
+        self.eval_history.append((step, metrics["eval_loss"]))
+        if self.rank == 0:
+            self.tracker.log_metrics(metrics, step=step)
+            with open(self.steps_file.with_name("evals.jsonl"), "a") as handle:
+                handle.write(json.dumps({"step": step, **metrics}) + "\n")
+            log.info("step %d: %s", step, {k: round(v, 4) for k, v in metrics.items()})
+        self.last = time.perf_counter()  # evaluation time is not training throughput
+        return metrics

@@ -1,0 +1,139 @@
+"""The pretraining driver: one Ray Train `TorchTrainer` run per (inputs, train config), in MLflow.
+
+A run lives in `<storage>/<run id>/` where the run id is a hash of the example and tokenizer
+outputs, the train config and the seed: the same inputs find the same run, which is reused when
+finished and resumed (with `resume=True`) when it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.io import fingerprint
+from tasks.ray_runtime import RayConfig, ensure_ray
+from training import checkpoint as ckpt
+from training.config import TrainConfig
+from training.data import read_manifest
+from training.loop import WorkerJob, train_loop_per_worker
+
+log = logging.getLogger(__name__)
+
+
+class RunStateError(RuntimeError):
+    """A run exists and is unfinished but resuming was not asked for (or the reverse)."""
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """What a finished (or stopped) training run left: its directory and last checkpoint."""
+
+    run_dir: Path
+    checkpoint: Path
+    meta: dict[str, Any]
+    mlflow_run_id: str | None
+    finished: bool
+
+
+def run_id_for(cfg: TrainConfig, seed: int, examples_dir: Path, tokenizer_dir: Path) -> str:
+    """The run's identity: a hash of its inputs' fingerprints, the train config and the seed."""
+    inputs = {
+        "examples": read_manifest(examples_dir)["fingerprint"],
+        "tokenizer": json.loads((tokenizer_dir / "manifest.json").read_text())["fingerprint"],
+    }
+    # Where checkpoints go and how often we log do not change what is trained.
+    train = cfg.model_dump(mode="json", exclude={"checkpoint", "log_every_steps", "eval"})
+    return fingerprint({"inputs": inputs, "train": train, "seed": seed})
+
+
+def storage_root(cfg: TrainConfig, workspace: Path) -> Path:
+    """The directory that holds every training run."""
+    return (cfg.checkpoint.storage_path or workspace / "pretrain").resolve()
+
+
+def run_training(
+    cfg: TrainConfig,
+    seed: int,
+    examples_dir: Path,
+    tokenizer_dir: Path,
+    workspace: Path,
+    ray_cfg: RayConfig,
+    *,
+    tracking_uri: str | None,
+    mlflow_run_id: str | None,
+    resume: bool = False,
+    stop_at_step: int | None = None,
+) -> TrainingRun:
+    """Train on Ray Train with DeepSpeed until `max_steps` (or `stop_at_step`).
+
+    Raises:
+        RunStateError: the run stopped earlier and `resume` is False.
+        RuntimeError: training failed after `scale.max_failures` restarts.
+    """
+    run_id = run_id_for(cfg, seed, examples_dir, tokenizer_dir)
+    root = storage_root(cfg, workspace)
+    run_dir = root / run_id
+    found = ckpt.find_resumable(run_dir, None, run_id) if run_dir.is_dir() else None
+    if found is not None and found.meta["step"] >= cfg.max_steps:
+        log.info("run %s already finished at step %d: reused", run_id, found.meta["step"])
+        return TrainingRun(run_dir, found.path, found.meta, mlflow_run_id, True)
+    if found is not None and not resume:
+        raise RunStateError(
+            f"{run_dir} holds an unfinished run (step {found.meta['step']} of {cfg.max_steps}): "
+            "pass --resume to continue it, or remove the directory to start over"
+        )
+    if found is None and run_dir.is_dir():
+        shutil.rmtree(run_dir)  # nothing valid to resume: start clean, no stale Ray state
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = WorkerJob(
+        train=cfg,
+        seed=seed,
+        examples_dir=examples_dir.resolve(),
+        tokenizer_dir=tokenizer_dir.resolve(),
+        config_hash=run_id,
+        tracking_uri=tracking_uri,
+        run_id=mlflow_run_id,
+        stop_at_step=stop_at_step,
+    )
+    _fit(job, root, run_id, ray_cfg)
+    last = ckpt.find_resumable(run_dir, None, run_id)
+    if last is None:
+        raise RuntimeError(f"{run_dir}: training ended without a valid checkpoint")
+    finished = last.meta["step"] >= cfg.max_steps
+    return TrainingRun(run_dir, last.path, last.meta, mlflow_run_id, finished)
+
+
+def _fit(job: WorkerJob, root: Path, run_id: str, ray_cfg: RayConfig) -> None:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    scale = job.train.scale
+    ensure_ray(ray_cfg)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=job.model_dump(mode="json"),
+        scaling_config=ScalingConfig(
+            num_workers=scale.num_workers,
+            use_gpu=scale.use_gpu,
+            resources_per_worker={
+                "CPU": scale.cpus_per_worker,
+                **({"GPU": 1} if scale.use_gpu else {}),
+            },
+        ),
+        torch_config=TorchConfig(backend=scale.backend or ("nccl" if scale.use_gpu else "gloo")),
+        run_config=RunConfig(
+            name=run_id,
+            storage_path=str(root),
+            # lmpipe prunes (training/checkpoint.py), orphans included; Ray deleting too raced
+            # with it ("Path not found" in the controller).
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+            failure_config=FailureConfig(max_failures=scale.max_failures),
+        ),
+    )
+    result = trainer.fit()
+    if result.error is not None:
+        raise RuntimeError(f"training failed: {result.error}") from result.error
