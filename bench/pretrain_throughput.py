@@ -1,0 +1,660 @@
+"""CPU training throughput: lmpipe's loop against a plain PyTorch loop and transformers.Trainer.
+
+Usage: python bench/pretrain_throughput.py [--quick] [--warmup 10] [--steps 30]
+                                           [--only NAME,...] [--out bench/results]
+
+Issue 5. Builds BERT examples of 128 tokens once (set-up, not measured): the real texts of
+../shared/data (the four Gutenberg books and Tiny Shakespeare, one document per file, and the
+1,000 IMDB reviews) through the ingest, tokenizer (WordPiece, 30,522 tokens), encode and
+examples stages. Then, on the same examples, batches (the loop's seeded global order, static
+masks), model (BERT, 4 layers, hidden 256, 4 heads, FFN 1024) and 2 torch threads, it runs
+each setting in its own subprocess:
+
+- `plain-*`: a plain PyTorch loop (AdamW, gradient clipping, the same warm-up/decay schedule,
+  `training.forward.pretraining_loss`), fp32 or bf16 autocast, eager or `torch.compile`;
+- `hf-*`: `transformers.Trainer` on `BertForPreTraining` (its own loss: MLM logits at every
+  position), the same samples as a torch Dataset in the same order, fp32 or bf16 (autocast),
+  with or without its `torch_compile` option;
+- `lmpipe-local-*`: lmpipe's loop (`training.loop.run_worker`, DeepSpeed engine) in this
+  process with `LocalContext` (a one-rank gloo group, no Ray);
+- `lmpipe-ray-*`: the same loop on Ray Train (`training.trainer.run_training`, 1 worker,
+  2 CPUs, 2 threads), with a local Ray started in the subprocess.
+
+Counted: real input tokens, i.e. the sum of the attention mask (padding excluded) of the
+batches of the timed steps; every setting sees the same batches, so the same tokens. Timed:
+from the end of the last warm-up step to the end of the last step (the end of a step is taken
+when the loop appends its line to `steps.jsonl` for lmpipe, after `optimizer.step` for the
+plain loop, at `on_step_end` for the Trainer), so compilation and start-up are left out.
+MFU = `flops_per_token` x tokens/s / the matmul peak measured on 2 threads in the same dtype.
+
+The Trainer needs `accelerate`, which is not a project dependency. Without it in the venv the
+`hf-*` settings fail, unless it is installed apart, for those subprocesses only:
+`pip install --no-deps --target bench/results/pretrain_work/pydeps accelerate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "data"
+
+THREADS = 2
+BATCH = 32
+SEQ_LEN = 128
+SEED = 0
+VOCAB = 30_522
+OVERRIDES = {
+    "num_hidden_layers": 4,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "intermediate_size": 1024,
+}
+LR, WARMUP_STEPS, WEIGHT_DECAY, EPS, CLIP = 1e-3, 10, 0.01, 1e-6, 1.0  # TrainConfig defaults
+CHILD_TIMEOUT_S = 900
+
+# name -> (kind, settings). Plain and Trainer settings mirror lmpipe's precision/compile axes.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain-fp32": {"kind": "plain", "precision": "fp32", "compile": False},
+    "plain-fp32-compile": {"kind": "plain", "precision": "fp32", "compile": True},
+    "plain-bf16": {"kind": "plain", "precision": "bf16", "compile": False},
+    "plain-bf16-compile": {"kind": "plain", "precision": "bf16", "compile": True},
+    "hf-fp32": {"kind": "hf", "precision": "fp32", "compile": False},
+    "hf-bf16": {"kind": "hf", "precision": "bf16", "compile": False},
+    "hf-bf16-compile": {"kind": "hf", "precision": "bf16", "compile": True},
+    "lmpipe-local-fp32": {"kind": "lmpipe-local", "precision": "fp32", "compile": False},
+    "lmpipe-local-fp32-compile": {"kind": "lmpipe-local", "precision": "fp32", "compile": True},
+    "lmpipe-local-bf16": {"kind": "lmpipe-local", "precision": "bf16", "compile": False},
+    "lmpipe-local-bf16-compile": {"kind": "lmpipe-local", "precision": "bf16", "compile": True},
+    "lmpipe-local-defaults": {
+        "kind": "lmpipe-local",
+        "precision": "fp32",
+        "compile": False,
+        "micro_batch": 8,
+    },
+    "lmpipe-ray-fp32": {"kind": "lmpipe-ray", "precision": "fp32", "compile": False},
+    "lmpipe-ray-fp32-compile": {"kind": "lmpipe-ray", "precision": "fp32", "compile": True},
+    "lmpipe-ray-bf16": {"kind": "lmpipe-ray", "precision": "bf16", "compile": False},
+    "lmpipe-ray-bf16-compile": {"kind": "lmpipe-ray", "precision": "bf16", "compile": True},
+}
+
+
+# -- set-up (not measured) ------------------------------------------------------------------
+
+
+def prepare_examples(work: Path) -> dict[str, Any]:
+    """Ingest the real texts, train the WordPiece tokenizer, encode, cut BERT examples.
+
+    Every stage reuses a complete output with the same fingerprint, so a rerun is quick.
+    """
+    from tasks.encode import EncodeConfig
+    from tasks.encode_run import run_encode
+    from tasks.examples import ExamplesConfig
+    from tasks.examples_run import run_examples
+    from tasks.ingest import IngestConfig
+    from tasks.ingest_run import run_ingest
+    from tasks.ray_runtime import RayConfig
+    from tasks.tokenizer import TokenizerConfig
+    from tasks.tokenizer_run import run_tokenizer
+
+    ray_cfg, ws = RayConfig(num_workers=THREADS), work / "ws"
+    books = {"format": "txt", "txt_mode": "file"}  # a book is one document: full 128-token rows
+    ingest = run_ingest(
+        IngestConfig.model_validate(
+            {
+                "sources": [
+                    {"path": str(SHARED / "gutenberg_books"), **books},
+                    {"path": str(SHARED / "tiny_shakespeare" / "input.txt"), **books},
+                    {"path": str(SHARED / "imdb_sample" / "texts.csv"), "format": "csv"},
+                ],
+                "max_chars": 2_000_000,  # Tiny Shakespeare is 1.1 M characters
+            }
+        ),
+        ray_cfg,
+        ws,
+    )
+    # min_frequency 1: the corpus (4.4 M characters) reaches 28,573 tokens at the default 2.
+    tok_cfg = TokenizerConfig(family="wordpiece", vocab_size=VOCAB, min_frequency=1)
+    tokenizer = run_tokenizer(tok_cfg, ingest.path, ws)
+    encode = run_encode(EncodeConfig(), ray_cfg, ingest.path, tokenizer.path, ws)
+    cfg = ExamplesConfig(objective="bert", max_seq_length=SEQ_LEN)
+    examples = run_examples(cfg, SEED, ray_cfg, encode.path, tokenizer.path, ws)
+    import ray
+
+    ray.shutdown()
+    train = examples.manifest["splits"]["train"]
+    return {
+        "examples_dir": str(examples.path),
+        "tokenizer_dir": str(tokenizer.path),
+        "vocab_size": tokenizer.manifest["metrics"]["vocab_size"],
+        "documents": {s: e["rows"] for s, e in ingest.manifest["splits"].items()},
+        "train_examples": train["rows"],
+        "train_real_tokens": train["counts"].get("real_tokens"),
+        "train_padding_fraction": train["realised"].get("padding_fraction"),
+    }
+
+
+class BenchData:
+    """The loop's batches: its seeded global order over the train split, built by its builder."""
+
+    def __init__(self, examples_dir: Path, precision: str = "fp32") -> None:
+        """Open the train split (memory-mapped) as the loop does."""
+        import torch
+
+        from training.data import BatchBuilder, ExampleShards, GlobalOrder, read_manifest
+
+        self.manifest = read_manifest(examples_dir)
+        self.train = ExampleShards(examples_dir, "train", verify=False)
+        self.order = GlobalOrder(len(self.train), SEED, BATCH)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.build = BatchBuilder(self.manifest["objective"], None, False, dtype)
+
+    def batches(self, steps: int) -> list[Any]:
+        """The first `steps` global batches (the static masks are in the shards)."""
+        from training.data import Cursor
+
+        out, cursor = [], Cursor()
+        for _ in range(steps):
+            epoch, indices, cursor = self.order.next_batch(cursor)
+            out.append(self.build(self.train.take(indices), indices, epoch))
+        return out
+
+    def tokens_per_step(self, steps: int) -> list[int]:
+        """Real (non-padding) input tokens of each of the first `steps` batches."""
+        return [int(b["attention_mask"].sum()) for b in self.batches(steps)]
+
+
+def model_section() -> Any:
+    """The benchmark's model section: BERT, 4 layers x 256, 4 heads, FFN 1024."""
+    from training.models import ModelConfig
+
+    return ModelConfig(family="bert", size="mini", overrides=OVERRIDES)
+
+
+def build_bench_model(examples_dir: Path) -> Any:
+    """A freshly initialised model (seeded), exactly as `training.loop.Worker` builds it."""
+    import torch
+
+    from training.data import read_manifest
+    from training.models import build_model
+
+    manifest = read_manifest(examples_dir)
+    specials = manifest["specials"]
+    torch.manual_seed(SEED)
+    return build_model(model_section(), "bert", specials["vocab_size"], specials, SEQ_LEN)
+
+
+def lr_factor(step: int, total: int) -> float:
+    """DeepSpeed's WarmupDecayLR (lmpipe's default schedule) as a multiple of the peak rate."""
+    if step < WARMUP_STEPS:
+        return step / WARMUP_STEPS
+    return max(0.0, (total - step) / max(1, total - WARMUP_STEPS))
+
+
+class LineClock(threading.Thread):
+    """Timestamps every line appended to a file (the loop's `steps.jsonl`), polling every 2 ms.
+
+    The loop writes a step's line at the end of that step (rank 0), so the timestamps are the
+    step ends, taken without touching the loop. A poll costs one `stat`.
+    """
+
+    def __init__(self, path: Path) -> None:
+        """Watch `path` (it may not exist yet)."""
+        super().__init__(daemon=True)
+        self.path = path
+        self.times: list[float] = []
+        self.lines: list[dict[str, Any]] = []
+        self._stop_flag = threading.Event()
+        self._pos = 0
+
+    def run(self) -> None:
+        """Poll until stopped."""
+        while not self._stop_flag.wait(0.002):
+            self._poll()
+
+    def _poll(self) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size <= self._pos:
+            return
+        now = time.perf_counter()
+        with open(self.path, "rb") as handle:
+            handle.seek(self._pos)
+            data = handle.read(size - self._pos)
+        complete = data[: data.rfind(b"\n") + 1]
+        self._pos += len(complete)
+        for line in complete.splitlines():
+            self.lines.append(json.loads(line))
+            self.times.append(now)
+
+    def finish(self) -> None:
+        """Stop polling (after one last look)."""
+        self._stop_flag.set()
+        self.join()
+        self._poll()
+
+
+# -- the settings, each run in its own subprocess -------------------------------------------
+
+
+def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
+    """A plain PyTorch loop: AdamW, clipping, the schedule, `pretraining_loss`, same batches."""
+    import torch
+
+    from training.deepspeed import param_groups
+    from training.forward import pretraining_loss
+
+    examples = Path(spec["examples_dir"])
+    steps = spec["warmup"] + spec["steps"]
+    batches = BenchData(examples).batches(steps)
+    model = build_bench_model(examples).train()
+    opt = torch.optim.AdamW(
+        param_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR, eps=EPS, fused=True
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
+    if spec["compile"]:
+        # The base model and both heads: the loss indexes the masked rows in between.
+        for name in ("bert", "cls.predictions", "cls.seq_relationship"):
+            model.get_submodule(name).compile()
+    bf16 = spec["precision"] == "bf16"
+    ends, losses = [], []
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = pretraining_loss(model, "bert", batch, True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(out.loss))
+        ends.append(time.perf_counter())
+    return {"ends": ends, "losses": losses}
+
+
+def child_hf(spec: dict[str, Any]) -> dict[str, Any]:
+    """`transformers.Trainer` on BertForPreTraining (its own dense-MLM loss), same samples."""
+    import transformers as tf
+
+    examples = Path(spec["examples_dir"])
+    steps = spec["warmup"] + spec["steps"]
+    # One item per sample, in the loop's order; the sequential sampler keeps the batches.
+    items = [
+        {k: v[i] for k, v in batch.items()}
+        for batch in BenchData(examples).batches(steps)
+        for i in range(BATCH)
+    ]
+    ends: list[float] = []
+
+    class Clock(tf.TrainerCallback):
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            ends.append(time.perf_counter())
+
+    args = tf.TrainingArguments(
+        output_dir=spec["run_dir"],
+        per_device_train_batch_size=BATCH,
+        max_steps=steps,
+        learning_rate=LR,
+        weight_decay=WEIGHT_DECAY,
+        adam_epsilon=EPS,
+        max_grad_norm=CLIP,
+        warmup_steps=WARMUP_STEPS,
+        lr_scheduler_type="linear",
+        optim="adamw_torch_fused",
+        bf16=spec["precision"] == "bf16",
+        torch_compile=spec["compile"],
+        use_cpu=True,
+        train_sampling_strategy="sequential",
+        dataloader_drop_last=True,
+        dataloader_pin_memory=False,
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=SEED,
+    )
+    model = build_bench_model(examples)
+    trainer = tf.Trainer(model=model, args=args, train_dataset=items, callbacks=[Clock()])
+    result = trainer.train()
+    return {"ends": ends, "mean_loss": result.training_loss}
+
+
+def train_config(spec: dict[str, Any], storage: Path) -> Any:
+    """The train section of a setting: `TrainConfig` defaults but for what is benchmarked.
+
+    Evaluation and checkpoints happen only after the last step (outside the timed window).
+    """
+    from training.config import CheckpointConfig, EvalConfig, ScaleConfig, TrainConfig
+
+    return TrainConfig(
+        model=model_section(),
+        max_steps=spec["warmup"] + spec["steps"],
+        global_batch_size=BATCH,
+        micro_batch_size=spec.get("micro_batch", BATCH),
+        precision=spec["precision"],
+        compile=spec["compile"],
+        scale=ScaleConfig(
+            num_workers=1, cpus_per_worker=THREADS, threads_per_worker=THREADS, max_failures=0
+        ),
+        checkpoint=CheckpointConfig(every_steps=1 << 20, keep_last=1, storage_path=storage),
+        eval=EvalConfig(every_steps=1 << 20, max_samples=BATCH),
+    )
+
+
+def child_lmpipe_local(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run lmpipe's loop (`run_worker`) here: `LocalContext`, one gloo rank, no Ray."""
+    from training.context import LocalContext, init_single_process
+    from training.loop import WorkerJob, run_worker
+
+    run_dir = Path(spec["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = WorkerJob(
+        train=train_config(spec, run_dir),
+        seed=SEED,
+        examples_dir=Path(spec["examples_dir"]),
+        tokenizer_dir=Path(spec["tokenizer_dir"]),
+        config_hash="bench",
+    )
+    init_single_process()
+    clock = LineClock(run_dir / "steps.jsonl")
+    clock.start()
+    run_worker(job, LocalContext(run_dir))
+    clock.finish()
+    return {"ends": clock.times, "losses": [line["loss"] for line in clock.lines]}
+
+
+def child_lmpipe_ray(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run lmpipe's loop on Ray Train (`run_training`): 1 worker, 2 CPUs, a local Ray."""
+    from tasks.ray_runtime import RayConfig
+    from training.trainer import run_id_for, run_training, storage_root
+
+    workspace = Path(spec["run_dir"])
+    examples, tokenizer = Path(spec["examples_dir"]), Path(spec["tokenizer_dir"])
+    cfg = train_config(spec, workspace / "pretrain")
+    run_dir = storage_root(cfg, workspace) / run_id_for(cfg, SEED, examples, tokenizer)
+    clock = LineClock(run_dir / "steps.jsonl")
+    clock.start()
+    run_training(
+        cfg,
+        SEED,
+        examples,
+        tokenizer,
+        workspace,
+        RayConfig(num_workers=1, num_cpus=THREADS),
+        tracking_uri=None,
+        mlflow_run_id=None,
+    )
+    clock.finish()
+    import ray
+
+    ray.shutdown()
+    return {"ends": clock.times, "losses": [line["loss"] for line in clock.lines]}
+
+
+def child_peak(spec: dict[str, Any]) -> dict[str, Any]:
+    """The matmul peak of 2 threads in fp32 and bf16 (`telemetry.measure_peak_flops`)."""
+    import torch
+
+    from training.telemetry import measure_peak_flops
+
+    seconds = spec.get("seconds", 2.0)
+    return {
+        "fp32": measure_peak_flops(torch.float32, seconds),
+        "bf16": measure_peak_flops(torch.bfloat16, seconds),
+    }
+
+
+CHILDREN = {
+    "plain": child_plain,
+    "hf": child_hf,
+    "lmpipe-local": child_lmpipe_local,
+    "lmpipe-ray": child_lmpipe_ray,
+    "peak": child_peak,
+}
+
+
+def run_child(spec: dict[str, Any]) -> None:
+    """Subprocess entry: run one setting with 2 torch threads and write its result JSON."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    result = CHILDREN[spec["kind"]](spec)
+    Path(spec["result"]).write_text(json.dumps(result))
+
+
+# -- the driver -----------------------------------------------------------------------------
+
+
+def launch(name: str, base: dict[str, Any], work: Path) -> dict[str, Any]:
+    """Run one setting in a fresh subprocess; return its raw result (or its error)."""
+    import shutil
+
+    run_dir = work / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    spec = {**base, **VARIANTS.get(name, {}), "run_dir": str(run_dir)}
+    spec["result"] = str(run_dir / "result.json")
+    env = os.environ | {
+        "OMP_NUM_THREADS": str(THREADS),
+        "MKL_NUM_THREADS": str(THREADS),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    extra = work / "pydeps"  # accelerate for the Trainer, kept out of the project's venv
+    if spec["kind"] == "hf" and extra.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra), env.get("PYTHONPATH")]))
+    load = os.getloadavg()[0]
+    started = time.perf_counter()
+    with open(run_dir / "log.txt", "w") as log:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(spec)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=CHILD_TIMEOUT_S,
+            check=False,
+        )
+    meta = {
+        "wall_s": round(time.perf_counter() - started, 1),
+        "load_1min": [load, os.getloadavg()[0]],
+    }
+    if proc.returncode != 0:
+        tail = (run_dir / "log.txt").read_text().splitlines()[-15:]
+        return meta | {"error": f"exit {proc.returncode}: " + "\n".join(tail)}
+    return meta | json.loads(Path(spec["result"]).read_text())
+
+
+def summarize(raw: dict[str, Any], tokens: list[int], warmup: int, steps: int) -> dict[str, Any]:
+    """tokens/s over the timed steps (after `warmup`), the median step time, the mean loss."""
+    ends = raw.get("ends", [])
+    if "error" in raw or len(ends) < warmup + steps:
+        return {"error": raw.get("error", f"{len(ends)} step ends, expected {warmup + steps}")}
+    window = ends[warmup - 1 : warmup + steps]  # the end of the last warm-up step, then steps
+    elapsed = window[-1] - window[0]
+    step_s = sorted(b - a for a, b in itertools.pairwise(window))
+    losses = raw.get("losses")
+    return {
+        "tokens_per_s": sum(tokens[warmup : warmup + steps]) / elapsed,
+        "timed_s": elapsed,
+        "median_step_s": step_s[len(step_s) // 2],
+        "max_step_s": step_s[-1],
+        "mean_loss": sum(losses) / len(losses) if losses else raw.get("mean_loss"),
+    }
+
+
+def flops(examples_dir: Path) -> dict[str, float]:
+    """Training FLOPs per input token: sparse MLM (lmpipe, plain) and dense (Trainer's loss)."""
+    from training.data import read_manifest
+    from training.forward import flops_per_token
+    from training.models import model_config_for
+
+    manifest = read_manifest(examples_dir)
+    specials = manifest["specials"]
+    config = model_config_for(model_section(), specials["vocab_size"], specials, SEQ_LEN)
+    rate = manifest["config"]["mask"]["masked_lm_prob"]
+    return {
+        "sparse": flops_per_token(config, SEQ_LEN, "bert", mlm_probability=rate),
+        "dense": flops_per_token(config, SEQ_LEN, "bert", sparse_mlm=False),
+    }
+
+
+def machine() -> dict[str, Any]:
+    """CPU, cores, memory, Python and library versions."""
+    import deepspeed
+    import ray
+    import torch
+    import transformers
+
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+    cpu = names[0] if names else platform.processor()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "deepspeed": deepspeed.__version__,
+        "ray": ray.__version__,
+    }
+
+
+def run_order(only: list[str] | None) -> list[str]:
+    """Settings grouped by (precision, compile), so that a drift in load hits every loop alike."""
+    names = [n for n in VARIANTS if only is None or n in only]
+    unknown = sorted(set(only or []) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown settings {unknown}; known: {list(VARIANTS)}")
+
+    def key(name: str) -> tuple[str, bool, int]:
+        spec = VARIANTS[name]
+        kinds = ["plain", "lmpipe-local", "lmpipe-ray", "hf"]
+        return spec["precision"], spec["compile"], kinds.index(spec["kind"])
+
+    return sorted(names, key=key)
+
+
+def add_ratios(
+    rows: dict[str, dict[str, Any]], peak: dict[str, float], fpt: dict[str, float]
+) -> str:
+    """Add MFU and the ratios to the best baseline; return the best baseline's name."""
+    ok = {n: r for n, r in rows.items() if "tokens_per_s" in r}
+    baselines = {n: r for n, r in ok.items() if VARIANTS[n]["kind"] in ("plain", "hf")}
+    best = max(baselines, key=lambda n: baselines[n]["tokens_per_s"]) if baselines else ""
+    for name, row in ok.items():
+        spec = VARIANTS[name]
+        per_token = fpt["dense" if spec["kind"] == "hf" else "sparse"]
+        row["mfu"] = per_token * row["tokens_per_s"] / peak[spec["precision"]]
+        if best:
+            row["vs_best_baseline"] = row["tokens_per_s"] / rows[best]["tokens_per_s"]
+        plain = f"plain-{spec['precision']}{'-compile' if spec['compile'] else ''}"
+        if spec["kind"].startswith("lmpipe") and "tokens_per_s" in rows.get(plain, {}):
+            row["vs_plain_same_setting"] = row["tokens_per_s"] / rows[plain]["tokens_per_s"]
+    return best
+
+
+def table(rows: dict[str, dict[str, Any]], best: str) -> str:
+    """The results as a Markdown table."""
+    head = (
+        "| setting | tokens/s | median step (s) | vs best baseline | vs plain, same setting "
+        "| MFU | mean loss | load (1 min) |\n|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for name, row in rows.items():
+        load = "-".join(f"{x:.1f}" for x in row.get("load_1min", []))
+        if "tokens_per_s" not in row:
+            lines.append(f"| {name} | failed: {row['error'].splitlines()[-1][:80]} |||||| {load} |")
+            continue
+        mark = " (best baseline)" if name == best else ""
+        ratio = row.get("vs_plain_same_setting")
+        lines.append(
+            f"| {name}{mark} | {row['tokens_per_s']:,.0f} | {row['median_step_s']:.3f} "
+            f"| {row.get('vs_best_baseline', 0):.2f}x "
+            f"| {f'{ratio:.2f}x' if ratio else '-'} | {row['mfu']:.1%} "
+            f"| {row['mean_loss']:.3f} | {load} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Set up the examples once, run every setting in its own subprocess, report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="Smoke run: 2 + 3 steps.")
+    parser.add_argument("--warmup", type=int, default=10, help="Untimed steps first.")
+    parser.add_argument("--steps", type=int, default=30, help="Timed steps.")
+    parser.add_argument("--only", default=None, help="Comma-separated settings to run.")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        run_child(json.loads(args.child))
+        return
+    warmup, steps = (2, 3) if args.quick else (args.warmup, args.steps)
+    if warmup < 1 or steps < 1:
+        raise SystemExit("--warmup and --steps must be at least 1")
+    names = run_order(args.only.split(",") if args.only else None)
+    work = args.out / "pretrain_work"
+    started, load_start = time.time(), os.getloadavg()
+    data = prepare_examples(work)
+    examples = Path(data["examples_dir"])
+    tokens = BenchData(examples).tokens_per_step(warmup + steps)
+    fpt = flops(examples)
+    params = sum(p.numel() for p in build_bench_model(examples).parameters())
+    base = {**data, "warmup": warmup, "steps": steps}
+    peaks = [launch("peak", base | {"kind": "peak", "seconds": 0.5 if args.quick else 2.0}, work)]
+    rows: dict[str, dict[str, Any]] = {}
+    for name in names:
+        raw = launch(name, base, work)
+        rows[name] = {**VARIANTS[name], **summarize(raw, tokens, warmup, steps)}
+        rows[name] |= {k: raw[k] for k in ("wall_s", "load_1min")}
+        print(f"{name}: {json.dumps(rows[name])}", flush=True)
+    peaks.append(
+        launch("peak", base | {"kind": "peak", "seconds": 0.5 if args.quick else 2.0}, work)
+    )
+    peak = {p: max(run.get(p, 0.0) for run in peaks) for p in ("fp32", "bf16")}
+    best = add_ratios(rows, peak, fpt)
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
+        "elapsed_s": round(time.time() - started, 1),
+        "load_avg_start": load_start,
+        "load_avg_end": os.getloadavg(),
+        "machine": machine(),
+        "data": data,
+        "parameters": params,
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "peak_runs": peaks,
+        "warmup_steps": warmup,
+        "timed_steps": steps,
+        "timed_tokens": sum(tokens[warmup:]),
+        "best_baseline": best,
+        "results": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pretrain_throughput.json").write_text(json.dumps(report, indent=1))
+    print(table(rows, best))
+    print(
+        f"params {params:,}; vocab {data['vocab_size']}; flops/token {fpt['sparse']:.3e} "
+        f"(sparse MLM), {fpt['dense']:.3e} (dense); peak fp32 {peak['fp32'] / 1e9:.0f}, "
+        f"bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s; load {load_start} -> {os.getloadavg()}"
+    )
+
+
+if __name__ == "__main__":
+    main()
