@@ -1,7 +1,7 @@
 """CPU training throughput: lmpipe's loop against a plain PyTorch loop and transformers.Trainer.
 
 Usage: python bench/pretrain_throughput.py [--quick] [--warmup 10] [--steps 30]
-                                           [--only NAME,...] [--out bench/results]
+                                           [--only NAME,...] [--ab NAME] [--out bench/results]
 
 Issue 5. Builds BERT examples of 128 tokens once (set-up, not measured): the real texts of
 ../shared/data (the four Gutenberg books and Tiny Shakespeare, one document per file, and the
@@ -26,6 +26,15 @@ from the end of the last warm-up step to the end of the last step (the end of a 
 when the loop appends its line to `steps.jsonl` for lmpipe, after `optimizer.step` for the
 plain loop, at `on_step_end` for the Trainer), so compilation and start-up are left out.
 MFU = `flops_per_token` x tokens/s / the matmul peak measured on 2 threads in the same dtype.
+Each row also gives the cores that processes outside the benchmark kept busy while it was timed
+(the load average cannot tell: it counts the benchmark's own two threads).
+
+`--only` runs the named settings, including candidate fixes that are not run by default
+(`lmpipe-local-bf16[-compile]-{fused,zero1-fused,zero0-fused}`: fused AdamW and the ZeRO stage,
+set through `train.deepspeed_extra` / `train.zero_stage`; `lmpipe-ray-{bf16,fp32}-nice0`: Ray
+workers at nice 0). Separate subprocesses see the machine's speed drift (±15% between runs
+here), so `--ab NAME` compares one lmpipe-local setting with the plain loop in one subprocess,
+alternating their steps, and prints forward, backward and optimizer-step ms per step of each.
 
 The Trainer needs `accelerate`, which is not a project dependency. Without it in the venv the
 `hf-*` settings fail, unless it is installed apart, for those subprocesses only:
@@ -65,6 +74,7 @@ OVERRIDES = {
 }
 LR, WARMUP_STEPS, WEIGHT_DECAY, EPS, CLIP = 1e-3, 10, 0.01, 1e-6, 1.0  # TrainConfig defaults
 CHILD_TIMEOUT_S = 900
+PYDEPS = ROOT / "bench" / "results" / "pretrain_work" / "pydeps"  # see the module docstring
 
 # name -> (kind, settings). Plain and Trainer settings mirror lmpipe's precision/compile axes.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -90,6 +100,31 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lmpipe-ray-bf16": {"kind": "lmpipe-ray", "precision": "bf16", "compile": False},
     "lmpipe-ray-bf16-compile": {"kind": "lmpipe-ray", "precision": "bf16", "compile": True},
 }
+# Candidate fixes (config only), run only when named in --only: fused AdamW, ZeRO stage.
+_FUSED = {"optimizer": {"params": {"fused": True}}}
+EXTRA_VARIANTS: dict[str, dict[str, Any]] = {
+    f"lmpipe-local-bf16{compiled}-{name}": {
+        "kind": "lmpipe-local",
+        "precision": "bf16",
+        "compile": bool(compiled),
+        "deepspeed_extra": _FUSED,
+        "zero_stage": zero,
+    }
+    for compiled in ("", "-compile")
+    for name, zero in (("fused", 2), ("zero1-fused", 1), ("zero0-fused", 0))
+}
+# Ray starts its workers at nice 15 (RAY_worker_niceness); on 2 cores its own daemons then
+# preempt the training threads. nice 0 is set in the environment of the local Ray it starts.
+EXTRA_VARIANTS |= {
+    f"lmpipe-ray-{precision}-nice0": {
+        "kind": "lmpipe-ray",
+        "precision": precision,
+        "compile": False,
+        "ray_env": {"RAY_worker_niceness": "0"},
+    }
+    for precision in ("bf16", "fp32")
+}
+VARIANTS |= EXTRA_VARIANTS
 
 
 # -- set-up (not measured) ------------------------------------------------------------------
@@ -205,7 +240,7 @@ def lr_factor(step: int, total: int) -> float:
 
 
 class LineClock(threading.Thread):
-    """Timestamps every line appended to a file (the loop's `steps.jsonl`), polling every 2 ms.
+    """Timestamps every line appended to a file (the loop's `steps.jsonl`), polling every 10 ms.
 
     The loop writes a step's line at the end of that step (rank 0), so the timestamps are the
     step ends, taken without touching the loop. A poll costs one `stat`.
@@ -222,7 +257,7 @@ class LineClock(threading.Thread):
 
     def run(self) -> None:
         """Poll until stopped."""
-        while not self._stop_flag.wait(0.002):
+        while not self._stop_flag.wait(0.01):
             self._poll()
 
     def _poll(self) -> None:
@@ -252,36 +287,58 @@ class LineClock(threading.Thread):
 # -- the settings, each run in its own subprocess -------------------------------------------
 
 
+class PlainLoop:
+    """A plain PyTorch loop: AdamW (fused), clipping, the schedule, `pretraining_loss`."""
+
+    def __init__(self, spec: dict[str, Any], steps: int) -> None:
+        """Build the model (seeded as the loop builds it), the optimizer and the schedule."""
+        import torch
+
+        from training.deepspeed import param_groups
+
+        self.model = build_bench_model(Path(spec["examples_dir"])).train()
+        groups = param_groups(self.model.named_parameters(), WEIGHT_DECAY)
+        self.opt = torch.optim.AdamW(groups, lr=LR, eps=EPS, fused=True)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, steps))
+        if spec["compile"]:
+            # The base model and both heads: the loss indexes the masked rows in between.
+            for name in ("bert", "cls.predictions", "cls.seq_relationship"):
+                self.model.get_submodule(name).compile()
+        self.bf16 = spec["precision"] == "bf16"
+
+    def step(self, batch: dict[str, Any], phases: dict[str, float] | None = None) -> float:
+        """One optimizer step; add forward/backward/step seconds to `phases`; return the loss."""
+        import torch
+
+        from training.forward import pretraining_loss
+
+        marks = [time.perf_counter()]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            out = pretraining_loss(self.model, "bert", batch, True)
+        marks.append(time.perf_counter())
+        out.loss.backward()  # type: ignore[no-untyped-call]
+        marks.append(time.perf_counter())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss = float(out.loss)
+        marks.append(time.perf_counter())
+        if phases is not None:
+            spans = (b - a for a, b in itertools.pairwise(marks))
+            for name, span in zip(("forward", "backward", "step"), spans, strict=True):
+                phases[name] = phases.get(name, 0.0) + span
+        return loss
+
+
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
-    """A plain PyTorch loop: AdamW, clipping, the schedule, `pretraining_loss`, same batches."""
-    import torch
-
-    from training.deepspeed import param_groups
-    from training.forward import pretraining_loss
-
-    examples = Path(spec["examples_dir"])
+    """Run the plain loop over the same batches; the end of each step is timestamped."""
     steps = spec["warmup"] + spec["steps"]
-    batches = BenchData(examples).batches(steps)
-    model = build_bench_model(examples).train()
-    opt = torch.optim.AdamW(
-        param_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR, eps=EPS, fused=True
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
-    if spec["compile"]:
-        # The base model and both heads: the loss indexes the masked rows in between.
-        for name in ("bert", "cls.predictions", "cls.seq_relationship"):
-            model.get_submodule(name).compile()
-    bf16 = spec["precision"] == "bf16"
+    batches = BenchData(Path(spec["examples_dir"])).batches(steps)
+    loop = PlainLoop(spec, steps)
     ends, losses = [], []
     for batch in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = pretraining_loss(model, "bert", batch, True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(out.loss))
+        losses.append(loop.step(batch))
         ends.append(time.perf_counter())
     return {"ends": ends, "losses": losses}
 
@@ -347,7 +404,9 @@ def train_config(spec: dict[str, Any], storage: Path) -> Any:
         global_batch_size=BATCH,
         micro_batch_size=spec.get("micro_batch", BATCH),
         precision=spec["precision"],
+        zero_stage=spec.get("zero_stage", 2),
         compile=spec["compile"],
+        deepspeed_extra=spec.get("deepspeed_extra", {}),
         scale=ScaleConfig(
             num_workers=1, cpus_per_worker=THREADS, threads_per_worker=THREADS, max_failures=0
         ),
@@ -386,6 +445,7 @@ def child_lmpipe_ray(spec: dict[str, Any]) -> dict[str, Any]:
     workspace = Path(spec["run_dir"])
     examples, tokenizer = Path(spec["examples_dir"]), Path(spec["tokenizer_dir"])
     cfg = train_config(spec, workspace / "pretrain")
+    os.environ.update(spec.get("ray_env", {}))  # read by the local Ray that run_training starts
     run_dir = storage_root(cfg, workspace) / run_id_for(cfg, SEED, examples, tokenizer)
     clock = LineClock(run_dir / "steps.jsonl")
     clock.start()
@@ -419,12 +479,68 @@ def child_peak(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _timed(fn: Any, phases: dict[str, float], name: str) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+        return result
+
+    return timed
+
+
+def child_ab(spec: dict[str, Any]) -> dict[str, Any]:
+    """Interleave plain steps and lmpipe `Worker.train_step`s in one process, with phase times.
+
+    A diagnostic (`--ab`): drift in the machine's load hits both loops alike, so the ratio is
+    steadier than between two subprocesses. lmpipe's phases are timed by wrapping its engine's
+    `backward` and `step` and the loop's `pretraining_loss` (forward, including the loss).
+    """
+    import training.loop as lmpipe_loop
+    from training.context import LocalContext, init_single_process
+
+    run_dir, steps = Path(spec["run_dir"]), spec["warmup"] + spec["steps"]
+    job = lmpipe_loop.WorkerJob(
+        train=train_config(spec, run_dir),
+        seed=SEED,
+        examples_dir=Path(spec["examples_dir"]),
+        tokenizer_dir=Path(spec["tokenizer_dir"]),
+        config_hash="bench",
+    )
+    init_single_process()
+    worker = lmpipe_loop.Worker(job, LocalContext(run_dir))
+    plain = PlainLoop(spec, steps)
+    batches = BenchData(Path(spec["examples_dir"])).batches(steps)
+    phases: dict[str, dict[str, float]] = {"plain": {}, "lmpipe": {}}
+    lm = phases["lmpipe"]
+    worker.engine.backward = _timed(worker.engine.backward, lm, "backward")
+    worker.engine.step = _timed(worker.engine.step, lm, "step")
+    from training.forward import pretraining_loss
+
+    # The loop calls the name it imported into its module: wrap that one.
+    setattr(lmpipe_loop, "pretraining_loss", _timed(pretraining_loss, lm, "forward"))  # noqa: B010
+    for i, batch in enumerate(batches):
+        if i == spec["warmup"]:
+            phases = {"plain": {}, "lmpipe": lm}
+            lm.clear()
+        first, second = ("plain", "lmpipe") if i % 2 == 0 else ("lmpipe", "plain")
+        for name in (first, second):
+            start = time.perf_counter()
+            if name == "plain":
+                plain.step(batch, phases["plain"])
+            else:
+                worker.train_step()
+            phases[name]["total"] = phases[name].get("total", 0.0) + time.perf_counter() - start
+    return {k: {p: v / spec["steps"] for p, v in d.items()} for k, d in phases.items()}
+
+
 CHILDREN = {
     "plain": child_plain,
     "hf": child_hf,
     "lmpipe-local": child_lmpipe_local,
     "lmpipe-ray": child_lmpipe_ray,
     "peak": child_peak,
+    "ab": child_ab,
 }
 
 
@@ -438,6 +554,52 @@ def run_child(spec: dict[str, Any]) -> None:
 
 
 # -- the driver -----------------------------------------------------------------------------
+
+
+class CpuWatch(threading.Thread):
+    """Samples, every second, how many cores processes outside this benchmark keep busy.
+
+    Others = the machine's busy cores minus this process tree's (live processes plus reaped
+    children). The load average cannot tell: it counts the benchmark's own two threads.
+    Timestamps are `time.perf_counter` (CLOCK_MONOTONIC), comparable with the children's.
+    """
+
+    def __init__(self) -> None:
+        """Start empty; `start()` begins sampling."""
+        super().__init__(daemon=True)
+        self.samples: list[tuple[float, float]] = []  # (time, others' busy cores)
+        self._stop_flag = threading.Event()
+
+    @staticmethod
+    def _busy_and_own() -> tuple[float, float]:
+        import psutil
+
+        cpu = psutil.cpu_times()
+        busy = cpu.user + cpu.nice + cpu.system + cpu.irq + cpu.softirq + cpu.steal
+        me = psutil.Process()
+        times = me.cpu_times()
+        own = times.user + times.system + times.children_user + times.children_system
+        for child in me.children(recursive=True):
+            try:
+                times = child.cpu_times()
+            except psutil.Error:
+                continue
+            own += times.user + times.system
+        return busy, own
+
+    def run(self) -> None:
+        """Sample until stopped."""
+        last, then = self._busy_and_own(), time.perf_counter()
+        while not self._stop_flag.wait(1.0):
+            now, (busy, own) = time.perf_counter(), self._busy_and_own()
+            others = max(0.0, (busy - last[0]) - (own - last[1])) / (now - then)
+            self.samples.append((now, others))
+            last, then = (busy, own), now
+
+    def finish(self) -> None:
+        """Stop sampling."""
+        self._stop_flag.set()
+        self.join()
 
 
 def launch(name: str, base: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -454,11 +616,12 @@ def launch(name: str, base: dict[str, Any], work: Path) -> dict[str, Any]:
         "MKL_NUM_THREADS": str(THREADS),
         "TOKENIZERS_PARALLELISM": "false",
     }
-    extra = work / "pydeps"  # accelerate for the Trainer, kept out of the project's venv
+    extra = PYDEPS  # accelerate for the Trainer, kept out of the project's venv
     if spec["kind"] == "hf" and extra.is_dir():
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra), env.get("PYTHONPATH")]))
-    load = os.getloadavg()[0]
+    load, watch = os.getloadavg()[0], CpuWatch()
     started = time.perf_counter()
+    watch.start()
     with open(run_dir / "log.txt", "w") as log:
         proc = subprocess.run(
             [sys.executable, __file__, "--child", json.dumps(spec)],
@@ -468,14 +631,17 @@ def launch(name: str, base: dict[str, Any], work: Path) -> dict[str, Any]:
             timeout=CHILD_TIMEOUT_S,
             check=False,
         )
+    watch.finish()
     meta = {
         "wall_s": round(time.perf_counter() - started, 1),
         "load_1min": [load, os.getloadavg()[0]],
+        "cpu_samples": watch.samples,
     }
     if proc.returncode != 0:
         tail = (run_dir / "log.txt").read_text().splitlines()[-15:]
         return meta | {"error": f"exit {proc.returncode}: " + "\n".join(tail)}
-    return meta | json.loads(Path(spec["result"]).read_text())
+    result: dict[str, Any] = json.loads(Path(spec["result"]).read_text())
+    return meta | result
 
 
 def summarize(raw: dict[str, Any], tokens: list[int], warmup: int, steps: int) -> dict[str, Any]:
@@ -487,7 +653,11 @@ def summarize(raw: dict[str, Any], tokens: list[int], warmup: int, steps: int) -
     elapsed = window[-1] - window[0]
     step_s = sorted(b - a for a, b in itertools.pairwise(window))
     losses = raw.get("losses")
+    samples = [v for t, v in raw.get("cpu_samples", []) if window[0] <= t <= window[-1] + 1.0]
+    samples = samples or [0.0]
     return {
+        "others_cores_mean": sum(samples) / len(samples),
+        "others_cores_max": max(samples),
         "tokens_per_s": sum(tokens[warmup : warmup + steps]) / elapsed,
         "timed_s": elapsed,
         "median_step_s": step_s[len(step_s) // 2],
@@ -536,7 +706,7 @@ def machine() -> dict[str, Any]:
 
 def run_order(only: list[str] | None) -> list[str]:
     """Settings grouped by (precision, compile), so that a drift in load hits every loop alike."""
-    names = [n for n in VARIANTS if only is None or n in only]
+    names = [n for n in VARIANTS if (n in only if only else n not in EXTRA_VARIANTS)]
     unknown = sorted(set(only or []) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown settings {unknown}; known: {list(VARIANTS)}")
@@ -572,23 +742,58 @@ def table(rows: dict[str, dict[str, Any]], best: str) -> str:
     """The results as a Markdown table."""
     head = (
         "| setting | tokens/s | median step (s) | vs best baseline | vs plain, same setting "
-        "| MFU | mean loss | load (1 min) |\n|---|---|---|---|---|---|---|---|"
+        "| MFU | mean loss | other jobs' cores (mean / max) |\n|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for name, row in rows.items():
-        load = "-".join(f"{x:.1f}" for x in row.get("load_1min", []))
         if "tokens_per_s" not in row:
-            lines.append(f"| {name} | failed: {row['error'].splitlines()[-1][:80]} |||||| {load} |")
+            lines.append(f"| {name} | failed: {row['error'].splitlines()[-1][:80]} |||||||")
             continue
+        others = f"{row['others_cores_mean']:.2f} / {row['others_cores_max']:.2f}"
         mark = " (best baseline)" if name == best else ""
-        ratio = row.get("vs_plain_same_setting")
+        best_ratio, ratio = row.get("vs_best_baseline"), row.get("vs_plain_same_setting")
         lines.append(
             f"| {name}{mark} | {row['tokens_per_s']:,.0f} | {row['median_step_s']:.3f} "
-            f"| {row.get('vs_best_baseline', 0):.2f}x "
+            f"| {f'{best_ratio:.2f}x' if best_ratio else '-'} "
             f"| {f'{ratio:.2f}x' if ratio else '-'} | {row['mfu']:.1%} "
-            f"| {row['mean_loss']:.3f} | {load} |"
+            f"| {row['mean_loss']:.3f} | {others} |"
         )
     return "\n".join(lines)
+
+
+def run_ab(setting: str, base: dict[str, Any], work: Path) -> dict[str, Any]:
+    """`--ab`: plain and lmpipe steps interleaved in one subprocess, per-phase ms per step."""
+    spec = VARIANTS.get(setting, {})
+    if spec.get("kind") != "lmpipe-local":
+        raise SystemExit(f"--ab takes an lmpipe-local-* setting, not {setting!r}")
+    raw = launch(f"ab-{setting}", base | spec | {"kind": "ab"}, work)
+    if "error" in raw:
+        raise SystemExit(raw["error"])
+    plain, lm = raw["plain"], raw["lmpipe"]
+    print(
+        f"{setting} against the plain loop ({spec['precision']}, compile {spec['compile']}), "
+        f"interleaved, ms per step:"
+    )
+    for phase in ("forward", "backward", "step", "total"):
+        print(f"  {phase:9s} plain {plain[phase] * 1e3:7.1f}   lmpipe {lm[phase] * 1e3:7.1f}")
+    ratio = plain["total"] / lm["total"]
+    print(f"  lmpipe throughput / plain: {ratio:.3f}")
+    return {"setting": setting, "plain": plain, "lmpipe": lm, "ratio": ratio}
+
+
+def run_settings(
+    names: list[str], base: dict[str, Any], work: Path, tokens: list[int], peak_s: float
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Each setting in its own subprocess, between two measurements of the matmul peak."""
+    peaks = [launch("peak", base | {"kind": "peak", "seconds": peak_s}, work)]
+    rows: dict[str, dict[str, Any]] = {}
+    for name in names:
+        raw = launch(name, base, work)
+        rows[name] = {**VARIANTS[name], **summarize(raw, tokens, base["warmup"], base["steps"])}
+        rows[name] |= {k: raw[k] for k in ("wall_s", "load_1min")}
+        print(f"{name}: {json.dumps(rows[name])}", flush=True)
+    peaks.append(launch("peak", base | {"kind": "peak", "seconds": peak_s}, work))
+    return rows, peaks
 
 
 def main() -> None:
@@ -598,6 +803,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="Untimed steps first.")
     parser.add_argument("--steps", type=int, default=30, help="Timed steps.")
     parser.add_argument("--only", default=None, help="Comma-separated settings to run.")
+    parser.add_argument("--ab", default=None, help="Diagnose one lmpipe-local-* setting.")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -611,21 +817,17 @@ def main() -> None:
     work = args.out / "pretrain_work"
     started, load_start = time.time(), os.getloadavg()
     data = prepare_examples(work)
+    base = {**data, "warmup": warmup, "steps": steps}
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.ab:
+        ab = run_ab(args.ab, base, work)
+        (args.out / "pretrain_ab.json").write_text(json.dumps(ab, indent=1))
+        return
     examples = Path(data["examples_dir"])
     tokens = BenchData(examples).tokens_per_step(warmup + steps)
     fpt = flops(examples)
     params = sum(p.numel() for p in build_bench_model(examples).parameters())
-    base = {**data, "warmup": warmup, "steps": steps}
-    peaks = [launch("peak", base | {"kind": "peak", "seconds": 0.5 if args.quick else 2.0}, work)]
-    rows: dict[str, dict[str, Any]] = {}
-    for name in names:
-        raw = launch(name, base, work)
-        rows[name] = {**VARIANTS[name], **summarize(raw, tokens, warmup, steps)}
-        rows[name] |= {k: raw[k] for k in ("wall_s", "load_1min")}
-        print(f"{name}: {json.dumps(rows[name])}", flush=True)
-    peaks.append(
-        launch("peak", base | {"kind": "peak", "seconds": 0.5 if args.quick else 2.0}, work)
-    )
+    rows, peaks = run_settings(names, base, work, tokens, 0.5 if args.quick else 2.0)
     peak = {p: max(run.get(p, 0.0) for run in peaks) for p in ("fp32", "bf16")}
     best = add_ratios(rows, peak, fpt)
     report = {
@@ -646,7 +848,6 @@ def main() -> None:
         "best_baseline": best,
         "results": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pretrain_throughput.json").write_text(json.dumps(report, indent=1))
     print(table(rows, best))
     print(
