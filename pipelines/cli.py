@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(ingest)
     tokenizer = sub.add_parser(
         "tokenizer",
-        help="ingest (reused when done), then train or load the tokenizer",
+        help="ingest and decontaminate (reused when done), then train or load the tokenizer",
         description="Train a WordPiece (BERT), byte-level BPE (GPT-2/RoBERTa) or Unigram (T5) "
         "tokenizer on the train split of the ingested shards, or load your own files "
         "(tokenizer.pretrained.*), and save it under <workspace>/tokenizer/<fingerprint>/ so "
@@ -100,12 +100,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint_step-NNNNNNNNN directory")
     export.add_argument("--out", type=Path, default=None, help="default: CHECKPOINT.export")
+    finetune = sub.add_parser(
+        "finetune",
+        help="prepare the task, then fine-tune the base model on Ray Train",
+        description="Read the `task` dataset (CSV, TSV, JSON, JSONL, Parquet, CoNLL or a saved "
+        "datasets directory) into <workspace>/downstream/<name>/, take the base model "
+        "(finetune.base: a local HF directory or a registry version; default the model the "
+        "pretrain flow exports), fine-tune it with finetune.strategy on Ray Train (DeepSpeed "
+        "optional), stop early on the validation metric, evaluate the test split, export and "
+        "register the model with lineage to its base, and log a report to MLflow and Prefect.",
+    )
+    _add_config_args(finetune)
+    compare = sub.add_parser(
+        "compare",
+        help="fine-tune several strategies x seeds on the task; one comparison table",
+        description="Run every compare.entries strategy once per compare.seeds seed on the "
+        "task, all in one MLflow experiment, and write one table (test metric mean and spread "
+        "over seeds, trainable parameters, time) with a bar chart.",
+    )
+    _add_config_args(compare)
+    evaluate = sub.add_parser(
+        "evaluate",
+        help="intrinsic evaluation of the base model; prompting on the task",
+        description="Held-out perplexity / masked-LM accuracy (when lmpipe pretrained the "
+        "model), fill-mask probes or generation samples (greedy, temperature, top-k, top-p), "
+        "and with evaluate.prompting zero- or few-shot classification of the task's split.",
+    )
+    _add_config_args(evaluate)
     run = sub.add_parser(
         "run",
         help="the whole pipeline, every stage that exists, on one config",
-        description="Run the `pipeline` Prefect flow: ingest → tokenizer → encode → examples "
-        "so far; later stages join it. Stages whose inputs, config and code are unchanged are "
-        "reused.",
+        description="Run the `pipeline` Prefect flow: ingest → decontaminate (when enabled) "
+        "→ tokenizer → encode → examples "
+        "→ pretrain → finetune (when a task is set) → evaluate. Stages whose inputs, config "
+        "and code are unchanged are reused.",
     )
     _add_config_args(run)
     show = sub.add_parser(
@@ -158,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         "examples": _run_examples,
         "run": _run_pipeline,
         "pretrain": lambda c: _run_pretrain(c, args.resume),
+        "finetune": _run_finetune,
+        "compare": _run_compare,
+        "evaluate": _run_evaluate,
     }
     stages = commands[args.command](cfg)
     if inspect:
@@ -193,6 +224,24 @@ def _run_pretrain(cfg: RunConfig, resume: bool) -> dict[str, dict[str, Any]]:
     from pipelines.pretrain_flow import pretrain_flow
 
     return pretrain_flow(cfg, resume)
+
+
+def _run_finetune(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    from pipelines.finetune_flow import finetune_flow
+
+    return finetune_flow(cfg)
+
+
+def _run_compare(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    from pipelines.compare_flow import compare_flow
+
+    return compare_flow(cfg)
+
+
+def _run_evaluate(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    from pipelines.evaluate_flow import evaluate_flow
+
+    return evaluate_flow(cfg)
 
 
 def _export(checkpoint: Path, out: Path | None) -> int:
@@ -241,11 +290,17 @@ def _summarise(stages: dict[str, dict[str, Any]]) -> int:
     table.add_column("what")
     table.add_column("value", justify="right")
     for name, result in stages.items():
-        if name == "pretrain":
-            _pretrain_rows(table, result)
+        if name in _ROWS:
+            rows = _ROWS[name](result)
+            for i, (what, value) in enumerate(rows):
+                table.add_row(name if i == 0 else "", what, value, end_section=i == len(rows) - 1)
             continue
         manifest = json.loads((Path(result["path"]) / "manifest.json").read_text())
-        rows = _ingest_rows(manifest) if name == "ingest" else _metric_rows(manifest["metrics"])
+        if name in ("ingest", "decontaminate"):  # a decontaminated corpus is ingest-format
+            rows = _decontaminate_rows(manifest) if name == "decontaminate" else []
+            rows += _ingest_rows(manifest)
+        else:
+            rows = _metric_rows(manifest["metrics"])
         status = "reused" if result["reused"] else "built"
         rows += [("status", status), ("output", result["path"])]
         rows.append(("MLflow run", str(result.get("mlflow_run_id"))))
@@ -255,16 +310,55 @@ def _summarise(stages: dict[str, dict[str, Any]]) -> int:
     return 0
 
 
-def _pretrain_rows(table: Table, result: dict[str, Any]) -> None:
+def _pretrain_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("step", str(result["step"])), ("finished", str(result["finished"]))]
     rows += _metric_rows(result.get("metrics", {}))
-    rows += [
-        (k.replace("_", " "), str(result[k]))
-        for k in ("checkpoint", "export_dir", "model_name", "model_version", "model_uri")
-        if k in result
+    return rows + _keys(result, "checkpoint", "export_dir", "model_name", "model_version")
+
+
+def _keys(result: dict[str, Any], *keys: str) -> list[tuple[str, str]]:
+    return [(k.replace("_", " "), str(result[k])) for k in keys if k in result]
+
+
+def _downstream_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [("task", f"{result['name']} ({result['task_type']})")]
+    rows += [(f"split {s}", f"{e['rows']:,} examples") for s, e in result["splits"].items()]
+    return [*rows, ("output", str(result["path"]))]
+
+
+def _finetune_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [
+        ("strategy", str(result["strategy"])),
+        ("epochs run / best", f"{result['epochs_run']} / {result['best_epoch'] + 1}"),
+        ("trainable parameters", f"{result['trainable_parameters']:,}"),
     ]
-    for i, (what, value) in enumerate(rows):
-        table.add_row("pretrain" if i == 0 else "", what, value, end_section=i == len(rows) - 1)
+    rows += _metric_rows({f"test {k}": v for k, v in result["test"].items()})
+    return rows + _keys(result, "export_dir", "model_name", "model_version", "mlflow_run_id")
+
+
+def _compare_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [
+        (str(r["strategy"]), f"{r['mean']:.4f} ± {r['std']:.4f} ({len(r['values'])} seeds)")
+        for r in result["rows"]
+    ]
+    return [*rows, ("report", str(result["report_dir"]))]
+
+
+def _evaluate_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = _metric_rows({f"held-out {k}": v for k, v in result.get("heldout", {}).items()})
+    if "prompting" in result:
+        prompted = result["prompting"]["metrics"]
+        rows += _metric_rows({f"prompting {k}": v for k, v in prompted.items()})
+    return [*rows, ("report", str(result["report_dir"]))]
+
+
+_ROWS: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
+    "pretrain": _pretrain_rows,
+    "downstream": _downstream_rows,
+    "finetune": _finetune_rows,
+    "compare": _compare_rows,
+    "evaluate": _evaluate_rows,
+}
 
 
 def _metric_rows(metrics: dict[str, float]) -> list[tuple[str, str]]:
@@ -272,6 +366,13 @@ def _metric_rows(metrics: dict[str, float]) -> list[tuple[str, str]]:
         (key.replace("_", " "), f"{value:,}" if isinstance(value, int) else f"{value:,.4g}")
         for key, value in metrics.items()
     ]
+
+
+def _decontaminate_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    report = manifest["decontamination"]
+    rows = [("n-gram words", str(report["n"]))]
+    rows += [(f"removed by {name}", f"{n:,}") for name, n in report["removed_by"].items()]
+    return [*rows, ("documents removed", f"{report['documents_removed']:,}")]
 
 
 def _ingest_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:

@@ -12,14 +12,27 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from tasks.decontaminate import DecontaminateConfig
+from tasks.downstream_config import DatasetConfig, load_dataset_config
 from tasks.encode import EncodeConfig
 from tasks.examples import ExamplesConfig
 from tasks.ingest import IngestConfig
 from tasks.ray_runtime import RayConfig
 from tasks.tokenizer import TokenizerConfig
+from training.compare import CompareConfig
 from training.config import TrainConfig
+from training.evaluate import EvaluateConfig
+from training.finetune_config import FinetuneConfig
 from training.tracking import TrackingConfig
 
 
@@ -29,6 +42,41 @@ class PrefectConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     api_url: str | None = Field(None, description="e.g. http://127.0.0.1:4200/api")
     api_key: SecretStr | None = Field(None, description="Prefect Cloud API key (never logged).")
+
+
+class TaskRef(BaseModel):
+    """The downstream task: a dataset YAML (configs/tasks/*.yaml) or an inline definition.
+
+    Relative paths inside the dataset resolve against `base_dir` (e.g. ../shared/data, or the
+    demo data directory).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    config: Path | None = Field(None, description="A dataset YAML, e.g. configs/tasks/cola.yaml.")
+    dataset: DatasetConfig | None = Field(None, description="The dataset, inline.")
+    base_dir: Path = Field(Path("."), description="Where the dataset's relative paths start.")
+    max_examples: dict[str, int] | None = Field(
+        None, description="Per-split caps that replace the dataset's own `max_examples`."
+    )
+
+    @model_validator(mode="after")
+    def _load(self) -> TaskRef:
+        if (self.config is None) == (self.dataset is None):
+            raise ValueError("set exactly one of `config` (a YAML file) and `dataset` (inline)")
+        dataset = self.dataset
+        if dataset is None and self.config is not None:
+            # Read now, so a bad task file stops the run before any work (names the file).
+            dataset = load_dataset_config(self.config)
+        if dataset is not None and self.max_examples is not None:
+            data = dataset.model_dump(exclude_unset=True) | {"max_examples": self.max_examples}
+            dataset = DatasetConfig.model_validate(data)
+        object.__setattr__(self, "dataset", dataset)
+        return self
+
+    def resolved(self) -> DatasetConfig:
+        """The dataset config (loaded from `config` at validation)."""
+        assert self.dataset is not None
+        return self.dataset
 
 
 class RunConfig(BaseModel):
@@ -41,11 +89,18 @@ class RunConfig(BaseModel):
     ray: RayConfig = Field(default_factory=RayConfig)
     prefect: PrefectConfig = Field(default_factory=PrefectConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    ingest: IngestConfig
+    ingest: IngestConfig | None = Field(
+        None, description="The corpus; needed by every stage from ingest to pretraining."
+    )
+    decontaminate: DecontaminateConfig = Field(default_factory=DecontaminateConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     encode: EncodeConfig = Field(default_factory=EncodeConfig)
     examples: ExamplesConfig = Field(default_factory=ExamplesConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    task: TaskRef | None = Field(None, description="Downstream task for finetune and compare.")
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    compare: CompareConfig = Field(default_factory=CompareConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
 
     @field_validator("name")
     @classmethod

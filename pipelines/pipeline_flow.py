@@ -1,4 +1,4 @@
-"""The `pipeline` flow: every stage that exists, in order (ingest → ... → pretrain so far)."""
+"""The `pipeline` flow: every stage, in order (ingest → ... → pretrain → fine-tune → evaluate)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import Any
 from prefect import flow
 
 from pipelines.config import RunConfig, load_config
+from pipelines.evaluate_flow import evaluate_flow
+from pipelines.finetune_flow import finetune_flow
 from pipelines.pretrain_flow import pretrain_flow
 
 
@@ -16,9 +18,12 @@ def pipeline_flow(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     """Run the whole pipeline on one config; returns each stage's summary by name.
 
     Each stage flow runs its upstream stages first; a stage whose fingerprint (inputs, config
-    section, code) is unchanged reuses its output.
+    section, code) is unchanged reuses its output. Fine-tuning runs when a `task` is set.
     """
-    return pretrain_flow(cfg)
+    stages = pretrain_flow(cfg)
+    if cfg.task is not None:
+        stages |= finetune_flow(cfg)
+    return stages | evaluate_flow(cfg)
 
 
 if __name__ == "__main__":

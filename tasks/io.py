@@ -202,3 +202,34 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+DOWNSTREAM_STAGE = "downstream"  # the stage name in a prepared downstream manifest
+
+
+def read_downstream_dir(path: Path | str) -> tuple[dict[str, Any], dict[str, pa.Table]]:
+    """Read a prepared downstream directory: its manifest (a dict) and one table per split.
+
+    Uses only json, pyarrow and `tasks.io`, so `training/` may use the same code.
+
+    Raises:
+        FileNotFoundError: no `manifest.json` (not prepared, or unfinished).
+        ValueError: another stage's output, or a split file whose row count differs.
+    """
+    root = Path(path)
+    manifest_path = root / "manifest.json"
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{manifest_path}: no prepared downstream data here")
+    manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+    if manifest.get("stage") != DOWNSTREAM_STAGE:
+        raise ValueError(
+            f"{manifest_path}: a {manifest.get('stage')!r} output, not {DOWNSTREAM_STAGE}"
+        )
+    tables = {}
+    for split, entry in manifest["splits"].items():
+        file = safe_join(root, entry["name"], what="split file")
+        table = read_ipc_stream(file)
+        if table.num_rows != entry["rows"]:
+            raise ValueError(f"{file}: {table.num_rows} rows, the manifest says {entry['rows']}")
+        tables[split] = table
+    return manifest, tables

@@ -126,6 +126,67 @@ QUARANTINE = pa.schema(
 )
 
 
+# Downstream (fine-tuning and evaluation) examples: the canonical columns every task type's
+# reader produces, whatever the source file called them. `tasks/downstream.py` writes them;
+# `training/` reads them. Labels are stored as indexes into the task's label list.
+EXAMPLE_ID = "example_id"
+TEXT_PAIR = "text_pair"
+LABEL = "label"
+TOKENS = "tokens"
+TAGS = "tags"
+QUESTION = "question"
+CONTEXT = "context"
+ANSWER_TEXTS = "answer_texts"
+ANSWER_STARTS = "answer_starts"
+TARGET = "target"
+PROMPT = "prompt"
+RESPONSE = "response"
+
+#: Task types and the columns of their tables (beyond `example_id`, a string unique per split).
+DOWNSTREAM_TASK_TYPES = (
+    "classification",  # text (+ text_pair), label: int32 index into the label list
+    "regression",  # text (+ text_pair), label: float32
+    "token_classification",  # tokens: list<string>, tags: list<int32> (BIO label indexes)
+    "question_answering",  # question, context, answer_texts, answer_starts ([] = unanswerable)
+    "seq2seq",  # text (source, without the T5 prefix), target
+    "causal_lm",  # prompt, response (loss on the response only)
+)
+
+
+def downstream_schema(task_type: str, pair: bool = False) -> pa.Schema:
+    """Return the Arrow schema of a downstream table of `task_type` (`pair`: has `text_pair`)."""
+    text = pa.field(TEXT, pa.string(), nullable=False)
+    fields = [pa.field(EXAMPLE_ID, pa.string(), nullable=False)]
+    if task_type in ("classification", "regression"):
+        fields.append(text)
+        if pair:
+            fields.append(pa.field(TEXT_PAIR, pa.string(), nullable=False))
+        kind = pa.int32() if task_type == "classification" else pa.float32()
+        fields.append(pa.field(LABEL, kind, nullable=False))
+    elif task_type == "token_classification":
+        fields += [
+            pa.field(TOKENS, pa.list_(pa.string()), nullable=False),
+            pa.field(TAGS, pa.list_(pa.int32()), nullable=False),
+        ]
+    elif task_type == "question_answering":
+        fields += [
+            pa.field(QUESTION, pa.string(), nullable=False),
+            pa.field(CONTEXT, pa.string(), nullable=False),
+            pa.field(ANSWER_TEXTS, pa.list_(pa.string()), nullable=False),
+            pa.field(ANSWER_STARTS, pa.list_(pa.int32()), nullable=False),
+        ]
+    elif task_type == "seq2seq":
+        fields += [text, pa.field(TARGET, pa.string(), nullable=False)]
+    elif task_type == "causal_lm":
+        fields += [
+            pa.field(PROMPT, pa.string(), nullable=False),
+            pa.field(RESPONSE, pa.string(), nullable=False),
+        ]
+    else:
+        raise ValueError(f"unknown task type {task_type!r}; one of {DOWNSTREAM_TASK_TYPES}")
+    return pa.schema(fields)
+
+
 class SchemaError(ValueError):
     """A table lacks a column a core function needs, or has it with the wrong type."""
 

@@ -7,9 +7,11 @@ settings at import, so they are set before anything imports either.
 from __future__ import annotations
 
 import os
+import random
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="lmpipe-tests-"))
 os.environ["RAY_AUTH_MODE"] = "token"
@@ -79,3 +81,74 @@ def tiny_text_table() -> pa.Table:
             "text": pa.array(texts, pa.large_string()),
         }
     )
+
+
+# Tiny base models to fine-tune: one per family the downstream tests use.
+_TINY_TOKENIZERS: dict[str, dict[str, Any]] = {
+    "bert": {"family": "wordpiece", "vocab_size": 300, "min_frequency": 1},
+    "gpt2": {"family": "bpe", "vocab_size": 400, "min_frequency": 1},
+    "t5": {"family": "unigram", "vocab_size": 300, "extra_ids": 4, "min_frequency": 1},
+}
+_TINY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "bert": {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64},
+    "gpt2": {"n_embd": 32, "n_head": 2, "n_inner": 64, "n_positions": 128},
+    "t5": {"d_model": 32, "num_heads": 2, "d_ff": 64, "d_kv": 16},
+}
+_TINY_OBJECTIVE = {"bert": "bert", "gpt2": "causal", "t5": "span_corruption"}
+
+
+def _tiny_sentences() -> list[str]:
+    rng = random.Random(0)
+    words = [
+        "the",
+        "a",
+        "movie",
+        "film",
+        "good",
+        "bad",
+        "was",
+        "is",
+        "not",
+        "very",
+        "plot",
+        "actor",
+        "story",
+        "great",
+        "poor",
+        "and",
+    ]
+    return [" ".join(rng.choices(words, k=rng.randint(4, 12))) + "." for _ in range(300)]
+
+
+@pytest.fixture(scope="session")
+def tiny_base_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny seeded pretraining model and its tokenizer per family, saved as HF dirs."""
+    import torch
+
+    from tasks.tokenizer import (
+        TokenizerConfig,
+        padded_vocab_size,
+        to_transformers,
+        train_tokenizer,
+    )
+    from training.models import ModelConfig, build_model
+
+    dirs = {}
+    for family, tok_args in _TINY_TOKENIZERS.items():
+        tok_cfg = TokenizerConfig.model_validate(tok_args)
+        backend = train_tokenizer(_tiny_sentences(), tok_cfg)
+        tok = to_transformers(backend, tok_cfg)
+        ids = {"pad": tok.pad_token_id, "eos": tok.eos_token_id, "cls": tok.cls_token_id,
+               "sep": tok.sep_token_id, "mask": tok.mask_token_id}  # fmt: skip
+        torch.manual_seed(0)
+        model = build_model(
+            ModelConfig.model_validate({"family": family, "overrides": _TINY_OVERRIDES[family]}),
+            _TINY_OBJECTIVE[family],
+            padded_vocab_size(backend, tok_cfg),
+            {**ids, "vocab_size": len(tok)},
+            128,
+        )
+        dirs[family] = tmp_path_factory.mktemp(f"base-{family}")
+        model.save_pretrained(dirs[family])
+        tok.save_pretrained(dirs[family])
+    return dirs

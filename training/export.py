@@ -29,7 +29,10 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForPreTraining,
+    AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     GenerationConfig,
     PreTrainedModel,
@@ -58,6 +61,24 @@ PIPELINE_TASKS: dict[str, str] = {
     "t5": "text-generation",
 }
 GENERATIVE = frozenset({"gpt2", "llama", "t5"})
+# Fine-tuned exports (keyed by downstream task type, tasks/schema.py): the Auto class that
+# reloads them and the MLflow/transformers pipeline task they serve.
+TASK_AUTO_CLASSES: dict[str, Any] = {
+    "classification": AutoModelForSequenceClassification,
+    "regression": AutoModelForSequenceClassification,
+    "token_classification": AutoModelForTokenClassification,
+    "question_answering": AutoModelForQuestionAnswering,
+    "seq2seq": AutoModelForSeq2SeqLM,
+    "causal_lm": AutoModelForCausalLM,
+}
+TASK_PIPELINES: dict[str, str] = {
+    "classification": "text-classification",
+    "regression": "text-classification",
+    "token_classification": "token-classification",
+    "question_answering": "question-answering",
+    "seq2seq": "text-generation",
+    "causal_lm": "text-generation",
+}
 # Weight formats that unpickle on load, so can run code: never read from outside.
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"})
 _LOAD_KWARGS = ("local_files_only", "is_local")
@@ -261,9 +282,16 @@ def export_model(
     return out_dir
 
 
-def load_export(hf_dir: Path, family: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load an export offline with the family's Auto class; refuse missing or unexpected keys."""
-    model, info = AUTO_CLASSES[family].from_pretrained(
+def load_export(
+    hf_dir: Path, family: str, task_type: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load an export offline; refuse missing or unexpected keys.
+
+    The Auto class is the family's pretraining one, or the task's for a fine-tuned export
+    (`task_type`, one of `tasks.schema.DOWNSTREAM_TASK_TYPES`).
+    """
+    auto = AUTO_CLASSES[family] if task_type is None else TASK_AUTO_CLASSES[task_type]
+    model, info = auto.from_pretrained(
         hf_dir, local_files_only=True, use_safetensors=True, output_loading_info=True
     )
     bad = {

@@ -2,8 +2,8 @@
 
 `train_loop_per_worker(config)` is what Ray Train runs on every worker; `run_worker(job, ctx)`
 is the same loop for any `WorkerContext` (a plain process, e.g. a GPU benchmark without Ray).
-This is the only module that calls `deepspeed.initialize`; Ray is reached only through the
-context. The loop steps; checkpoints, evaluation and tracking happen every N steps.
+The engine comes from `training/engine.py`; Ray is reached only through the context. The loop
+steps; checkpoints, evaluation and tracking happen every N steps.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ from training.data import (
     read_manifest,
 )
 from training.deepspeed import deepspeed_config, param_groups
+from training.engine import initialize_deepspeed
 from training.forward import flops_per_token, pretraining_loss
 from training.guard import LossGuard
 from training.models import build_model
+from training.schedule import GroupLRSchedule
 from training.telemetry import StepMeter, Telemetry
 
 log = logging.getLogger(__name__)
@@ -81,8 +83,6 @@ class Worker:
 
     def __init__(self, job: WorkerJob, ctx: WorkerContext) -> None:
         """Open the data, build the model (same weights on every rank) and the engine."""
-        import deepspeed
-
         self.job, self.ctx, self.cfg = job, ctx, job.train
         manifest = read_manifest(job.examples_dir)
         self.objective: str = manifest["objective"]
@@ -104,14 +104,22 @@ class Worker:
             self.cfg.model, self.objective, specials["vocab_size"], specials, length
         )
         self.ds_config = deepspeed_config(self.cfg, ctx.world_size)
-        self.engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=param_groups(model.named_parameters(), self.cfg.optim.weight_decay),
-            config=self.ds_config,
+        self.engine = initialize_deepspeed(
+            model,
+            param_groups(model.named_parameters(), self.cfg.optim.weight_decay),
+            self.ds_config,
         )
         if self.cfg.compile:
             for child in self.engine.module.children():
                 child.compile()
+        opt = self.cfg.optim
+        self.schedule = GroupLRSchedule(
+            self.engine.optimizer,
+            warmup_steps=min(opt.warmup_steps, self.cfg.max_steps),
+            total_steps=self.cfg.max_steps,
+            decay=opt.decay,
+            min_lr_ratio=opt.min_lr_ratio,
+        )
         self.accum = self.cfg.accumulation_steps(ctx.world_size)
         self.guard = LossGuard(self.cfg.guard)
         self.telemetry = Telemetry(job, ctx, self._flops(manifest, length))
@@ -149,6 +157,8 @@ class Worker:
         path, meta = Path(choice[0][0]), choice[0][1]
         self.engine.load_checkpoint(str(path), tag=ckpt.TAG)
         self.step = int(meta["step"])
+        self.schedule.steps_done = self.step
+        self.schedule.refresh()
         self.cursor = Cursor(**meta["cursor"])
         self.tokens_seen = int(meta["tokens_seen"])
         self.guard.load_state(meta["guard"])
@@ -194,7 +204,7 @@ class Worker:
             indices, self.ctx.rank, self.ctx.world_size, self.cfg.micro_batch_size
         )
         meter = StepMeter()
-        lr = self.engine.get_lr()[0]
+        lr = self.schedule.get_last_lr()[0]
         skip = False
         for i, ids in enumerate(micro):
             batch = self._device(self.build(self.train_data.take(ids), ids, epoch))
@@ -209,6 +219,7 @@ class Worker:
                 _zero_lr(self.engine)  # the step leaves the weights as they were
             self.engine.step()
             meter.add(out, batch)
+        self.schedule.step()  # the next step's rates (undoes a skipped step's lr 0)
         self.guard.step_done(skip)
         self.cursor = after
         self.step += 1
@@ -315,7 +326,7 @@ def _zero_loss(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _zero_lr(engine: Any) -> None:
-    # The scheduler sets the next step's rate from its own counter after this step.
+    # The schedule sets the next step's rates from its own counter after this step.
     for group in engine.optimizer.param_groups:
         group["lr"] = 0.0
 

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 from huggingface_hub import ModelCard as HubModelCard
 
-from training.export import PIPELINE_TASKS, assert_safetensors_only, load_export
+from training.export import PIPELINE_TASKS, TASK_PIPELINES, assert_safetensors_only, load_export
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ def _tracking_uri(uri: str) -> Iterator[None]:
             os.environ[_URI_VARIABLE] = previous_env
 
 
-def _log_flavor(client: Any, run: Any, hf_dir: Path, family: str) -> str:
+def _log_flavor(
+    client: Any, run: Any, hf_dir: Path, family: str, task_type: str | None = None
+) -> str:
     """Log `hf_dir` as an MLflow transformers model of `run`; return its LoggedModel id.
 
     The LoggedModel is created first, in the run's experiment: given only `run_id`,
@@ -90,14 +92,14 @@ def _log_flavor(client: Any, run: Any, hf_dir: Path, family: str) -> str:
     """
     import mlflow
 
-    model, tok = load_export(hf_dir, family)
+    model, tok = load_export(hf_dir, family, task_type)
     logged = client.create_logged_model(
         experiment_id=run.info.experiment_id, name=MODEL_NAME_IN_RUN, source_run_id=run.info.run_id
     )
     mlflow.transformers.log_model(
         {"model": model, "tokenizer": tok},
         name=MODEL_NAME_IN_RUN,
-        task=PIPELINE_TASKS[family],
+        task=PIPELINE_TASKS[family] if task_type is None else TASK_PIPELINES[task_type],
         model_card=HubModelCard.load(hf_dir / "README.md"),
         pip_requirements=pip_requirements(),
         model_id=logged.model_id,
@@ -125,6 +127,7 @@ def register_export(
     model_name: str,
     alias: str,
     tags: Mapping[str, str],
+    task_type: str | None = None,
 ) -> ModelVersionRef:
     """Log an export to run `run_id`, register it as a new version of `model_name`, alias it.
 
@@ -140,6 +143,8 @@ def register_export(
         alias: Alias to point at the new version, e.g. `candidate`.
         tags: Lineage tags for the version: corpus manifest, tokenizer and example config
             hashes, DeepSpeed config JSON, git commit.
+        task_type: For a fine-tuned export, its downstream task type (picks the Auto class and
+            the pipeline task); None for a pretrained export.
 
     Returns:
         The new version.
@@ -149,7 +154,7 @@ def register_export(
     client = mlflow.MlflowClient(tracking_uri)
     run = client.get_run(run_id)
     with _tracking_uri(tracking_uri):
-        model_id = _log_flavor(client, run, hf_dir, family)
+        model_id = _log_flavor(client, run, hf_dir, family, task_type)
         client.log_artifacts(run_id, str(hf_dir), HF_ARTIFACT_DIR)
         _ensure_registered_model(client, model_name)
         mv = client.create_model_version(

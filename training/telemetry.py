@@ -107,11 +107,6 @@ class Telemetry:
         tokens = sums.get("input_tokens", 0.0)
         if self.rank != 0:
             return tokens
-        # Every step's full-precision loss, appended: a replayed step's later line wins.
-        with open(self.steps_file, "a") as handle:
-            handle.write(json.dumps({"step": step, **metrics}) + "\n")
-        if step % self.every:
-            return tokens
         tokens_s = sums["input_tokens"] / elapsed
         metrics |= {
             "lr": lr,
@@ -124,7 +119,11 @@ class Telemetry:
         if self.peak:
             world = dist.get_world_size() if dist.is_initialized() else 1
             metrics["mfu"] = self.flops_per_token * tokens_s / (self.peak * world)
-        self.tracker.log_metrics({f"train_{k}": v for k, v in metrics.items()}, step=step)
+        # Every step, appended (a replayed step's later line wins), with its throughput.
+        with open(self.steps_file, "a") as handle:
+            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        if step % self.every == 0:
+            self.tracker.log_metrics({f"train_{k}": v for k, v in metrics.items()}, step=step)
         return tokens
 
     def evaluation(self, step: int, meter: StepMeter) -> dict[str, float]:

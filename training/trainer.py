@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from tasks.io import fingerprint
 from tasks.ray_runtime import RayConfig, ensure_ray
 from training import checkpoint as ckpt
-from training.config import TrainConfig
+from training.config import ScaleConfig, TrainConfig
 from training.data import read_manifest
 from training.loop import WorkerJob, train_loop_per_worker
 
@@ -108,14 +109,32 @@ def run_training(
 
 
 def _fit(job: WorkerJob, root: Path, run_id: str, ray_cfg: RayConfig) -> None:
+    fit_on_ray(
+        train_loop_per_worker, job.model_dump(mode="json"), job.train.scale, root / run_id, ray_cfg
+    )
+
+
+def fit_on_ray(
+    loop: Callable[[dict[str, Any]], None],
+    loop_config: dict[str, Any],
+    scale: ScaleConfig,
+    run_dir: Path,
+    ray_cfg: RayConfig,
+) -> None:
+    """Run `loop(loop_config)` on `scale.num_workers` Ray Train workers; `run_dir` is theirs.
+
+    Checkpoints are written in place by the loop (`RayWorkerContext`) and pruned by lmpipe.
+
+    Raises:
+        RuntimeError: training failed after `scale.max_failures` restarts.
+    """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    scale = job.train.scale
     ensure_ray(ray_cfg)
     trainer = TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config=job.model_dump(mode="json"),
+        loop,
+        train_loop_config=loop_config,
         scaling_config=ScalingConfig(
             num_workers=scale.num_workers,
             use_gpu=scale.use_gpu,
@@ -126,8 +145,8 @@ def _fit(job: WorkerJob, root: Path, run_id: str, ray_cfg: RayConfig) -> None:
         ),
         torch_config=TorchConfig(backend=scale.backend or ("nccl" if scale.use_gpu else "gloo")),
         run_config=RunConfig(
-            name=run_id,
-            storage_path=str(root),
+            name=run_dir.name,
+            storage_path=str(run_dir.parent),
             # lmpipe prunes (training/checkpoint.py), orphans included; Ray deleting too raced
             # with it ("Path not found" in the controller).
             checkpoint_config=CheckpointConfig(num_to_keep=None),

@@ -1,0 +1,100 @@
+"""The optimizer engine a training loop steps: DeepSpeed, or plain PyTorch (DDP) without it.
+
+Pretraining always runs on DeepSpeed; fine-tuning may (`finetune.deepspeed`). Both loops drive
+the same small surface (`forward`, `backward`, `step`, `module`, `optimizer`), so the loop code
+is written once. This is the only module that calls `deepspeed.initialize`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+class Engine(Protocol):
+    """What a loop needs from its engine."""
+
+    module: torch.nn.Module
+    optimizer: Any
+    device: torch.device
+
+    def __call__(self, **batch: torch.Tensor) -> Any: ...  # noqa: D102
+    def backward(self, loss: torch.Tensor) -> None: ...  # noqa: D102
+    def step(self) -> None: ...  # noqa: D102
+    def is_gradient_accumulation_boundary(self) -> bool: ...  # noqa: D102
+    def get_global_grad_norm(self) -> float | None: ...  # noqa: D102
+
+
+def initialize_deepspeed(
+    model: torch.nn.Module, groups: list[dict[str, Any]], config: dict[str, Any]
+) -> Any:
+    """A DeepSpeed engine over `model` with the optimizer `config` describes on `groups`."""
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    return engine
+
+
+class TorchEngine:
+    """AdamW over `groups`, DDP when a process group is up, gradient accumulation and clipping.
+
+    Mirrors the DeepSpeed engine's contract: `backward` scales the loss by 1/accumulation and
+    `step` only updates the weights on an accumulation boundary.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        groups: list[dict[str, Any]],
+        *,
+        betas: tuple[float, float],
+        eps: float,
+        accumulation_steps: int,
+        grad_clip: float,
+    ) -> None:
+        """Wrap `model` (in DDP when distributed) and build AdamW over `groups`."""
+        self.module = model
+        self.device = next(model.parameters()).device
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        # find_unused_parameters: frozen strategies and progressive unfreezing leave params
+        # without gradients in some steps.
+        self._forward: torch.nn.Module = (
+            DistributedDataParallel(model, find_unused_parameters=True) if distributed else model
+        )
+        # fused: one kernel over every tensor, on CPU as on GPU (docs/benchmarks.md).
+        self.optimizer = torch.optim.AdamW(groups, betas=betas, eps=eps, fused=True)
+        self.accumulation_steps = accumulation_steps
+        self.grad_clip = grad_clip
+        self.micro_steps = 0
+        self._grad_norm: float | None = None
+
+    def __call__(self, **batch: torch.Tensor) -> Any:
+        """Forward through the (DDP-wrapped) model."""
+        return self._forward(**batch)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next `step` updates the weights."""
+        return (self.micro_steps + 1) % self.accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of `loss / accumulation_steps`."""
+        (loss / self.accumulation_steps).backward()  # type: ignore[no-untyped-call]
+
+    def step(self) -> None:
+        """On an accumulation boundary: clip, update, zero the gradients."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.grad_clip > 0:
+            self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm before clipping at the last update (None without clipping)."""
+        return self._grad_norm

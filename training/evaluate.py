@@ -1,0 +1,185 @@
+"""The evaluate stage: intrinsic probes of a model and zero/few-shot prompting on a local task.
+
+`evaluate_stage` loads a model directory (a pretraining export, or any HF model of a supported
+family), runs what fits its family (held-out perplexity / MLM accuracy when the pretraining
+examples are known, fill-mask probes for encoders, generation samples for decoders and T5,
+prompting on a classification task for causal LMs), writes `evaluation.json` and a Markdown +
+HTML report, and logs both to an MLflow run. `evaluate_task` is the Prefect wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks import schema
+from tasks.io import read_downstream_dir, write_json_atomic
+from training.export import load_export
+from training.intrinsic import (
+    IntrinsicConfig,
+    fill_mask_probes,
+    generation_samples,
+    heldout_metrics,
+)
+from training.metrics import compute_metrics
+from training.prompting import PromptConfig, classify_by_prompting
+from training.report import html_page, markdown_table
+from training.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
+
+log = logging.getLogger(__name__)
+
+ENCODERS = ("bert", "roberta")
+
+
+class EvaluateConfig(BaseModel):
+    """The `evaluate` section: intrinsic probes, and prompting on the task's test split."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    intrinsic: IntrinsicConfig = Field(default_factory=IntrinsicConfig)
+    prompting: PromptConfig | None = Field(
+        None, description="Zero/few-shot classification of the task by prompting (GPT, T5)."
+    )
+    split: str = Field("test", description="Task split scored by prompting.")
+    max_examples: int | None = Field(
+        None, ge=1, description="Cap on the prompted examples (scoring is one pass per label)."
+    )
+
+
+def evaluate_model(
+    model_dir: Path,
+    cfg: EvaluateConfig,
+    *,
+    seed: int = 0,
+    examples: tuple[Path, Path] | None = None,
+    task_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Evaluate the model in `model_dir`; return every result as plain data.
+
+    Args:
+        model_dir: A Hugging Face directory of family bert, roberta, gpt2, llama or t5.
+        cfg: What to run.
+        seed: Seed of the held-out split's masking.
+        examples: (examples dir, tokenizer dir) of its pretraining, for held-out metrics.
+        task_dir: A prepared classification task, for prompting.
+    """
+    family = json.loads((model_dir / "config.json").read_text())["model_type"]
+    model, tok = load_export(model_dir, family)
+    out: dict[str, Any] = {"model_dir": str(model_dir), "family": family}
+    if examples is not None:
+        out["heldout"] = heldout_metrics(model, examples[0], examples[1], seed, cfg.intrinsic)
+    if family in ENCODERS:
+        out["fill_mask"] = fill_mask_probes(
+            model, tok, cfg.intrinsic.fill_mask, cfg.intrinsic.top_k
+        )
+    else:
+        out["generation"] = generation_samples(
+            model, tok, cfg.intrinsic.prompts, cfg.intrinsic.decodings
+        )
+    if cfg.prompting is not None and task_dir is not None and family not in ENCODERS:
+        out["prompting"] = _prompting(model, tok, task_dir, cfg)
+    return out
+
+
+def _prompting(model: Any, tok: Any, task_dir: Path, cfg: EvaluateConfig) -> dict[str, Any]:
+    assert cfg.prompting is not None
+    manifest, tables = read_downstream_dir(task_dir)
+    if manifest["task_type"] != "classification":
+        raise ValueError(f"{task_dir}: prompting needs a classification task")
+    if cfg.split not in tables:
+        raise ValueError(f"{task_dir}: no {cfg.split!r} split (has {sorted(tables)})")
+    table = tables[cfg.split]
+    if cfg.max_examples is not None:
+        table = table.slice(0, cfg.max_examples)
+    labels = [str(x) for x in manifest["labels"]]
+    scores = classify_by_prompting(model, tok, table, labels, cfg.prompting, tables.get("train"))
+    gold = [labels[i] for i in table.column(schema.LABEL).to_pylist()]
+    metrics = compute_metrics("classification", scores.probabilities(), gold, labels=labels)
+    return {"k_shot": cfg.prompting.k_shot, "examples": table.num_rows, "metrics": metrics}
+
+
+def evaluation_report(result: dict[str, Any], out: Path) -> tuple[list[Path], str]:
+    """Write `evaluation.md` / `.html` for an `evaluate_model` result; return files and text."""
+    sections: list[tuple[str, str]] = []
+    if "heldout" in result:
+        sections.append(
+            ("Held-out", markdown_table(["metric", "value"], sorted(result["heldout"].items())))
+        )
+    for probe in result.get("fill_mask", []):
+        fillers = [(f["token"], f["probability"]) for f in probe["fillers"]]
+        sections.append((f"Fill-mask: {probe['text']}", markdown_table(["token", "p"], fillers)))
+    if "generation" in result:
+        samples = [
+            (json.dumps(g["decoding"]), g["prompt"], g["output"]) for g in result["generation"]
+        ]
+        sections.append(
+            ("Generation samples", markdown_table(["decoding", "prompt", "output"], samples))
+        )
+    if "prompting" in result:
+        p = result["prompting"]
+        rows = sorted(p["metrics"].items())
+        sections.append(
+            (
+                f"Prompting ({p['k_shot']}-shot, {p['examples']} examples)",
+                markdown_table(["metric", "value"], rows),
+            )
+        )
+    title = f"Evaluation: {result['family']} at {result['model_dir']}"
+    text = "\n\n".join([f"# {title}", *(f"## {h}\n\n{b}" for h, b in sections)]) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "evaluation.md").write_text(text, encoding="utf-8")
+    (out / "evaluation.html").write_text(html_page(title, sections, []), encoding="utf-8")
+    write_json_atomic(out / "evaluation.json", result)
+    return [out / "evaluation.md", out / "evaluation.html", out / "evaluation.json"], text
+
+
+def _numbers(result: dict[str, Any]) -> dict[str, float]:
+    metrics = {f"heldout_{k}": float(v) for k, v in result.get("heldout", {}).items()}
+    if "prompting" in result:
+        k = result["prompting"]["k_shot"]
+        metrics |= {
+            f"prompt{k}shot_{m}": float(v) for m, v in result["prompting"]["metrics"].items()
+        }
+    return metrics
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_task(
+    model_dir: str,
+    cfg: EvaluateConfig,
+    out_dir: str,
+    tracking: TrackingConfig,
+    workspace: str,
+    run_name: str,
+    seed: int = 0,
+    examples: tuple[str, str] | None = None,
+    task_dir: str | None = None,
+) -> dict[str, Any]:
+    """Prefect task: evaluate, write the report, log it to MLflow, publish it as an artifact."""
+    result = evaluate_model(
+        Path(model_dir),
+        cfg,
+        seed=seed,
+        examples=(Path(examples[0]), Path(examples[1])) if examples else None,
+        task_dir=Path(task_dir) if task_dir else None,
+    )
+    files, text = evaluation_report(result, Path(out_dir))
+    if tracking.enabled and tracking.tracking_uri:
+        uri = tracking.tracking_uri
+        run_id = open_run(
+            tracking, uri, Path(workspace), f"{run_name}-evaluate", {"stage": "evaluate"}
+        )
+        tracker = MlflowTracker(uri, run_id)
+        tracker.log_metrics(_numbers(result))
+        for path in files:
+            tracker.log_artifact(path, "evaluation")
+        set_run_status(uri, run_id, "FINISHED")
+        result["mlflow_run_id"] = run_id
+    create_markdown_artifact(text, key="evaluation", description="Model evaluation")
+    return result
