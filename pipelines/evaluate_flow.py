@@ -22,7 +22,7 @@ def evaluate_flow(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     """
     cfg = resolve_environment(cfg)
     model_dir, _, stages = base_model(cfg)
-    data = prepare_task(cfg) if cfg.task is not None and cfg.evaluate.prompting else None
+    data = prepare_task(cfg) if cfg.task is not None else None
     examples = None
     if "examples" in stages:
         examples = (stages["examples"]["path"], stages["tokenizer"]["path"])

@@ -27,8 +27,9 @@ from training.intrinsic import (
     fill_mask_probes,
     generation_samples,
     heldout_metrics,
+    sentence_embeddings,
 )
-from training.metrics import compute_metrics
+from training.metrics import compute_metrics, embedding_similarity_metrics
 from training.prompting import PromptConfig, classify_by_prompting
 from training.report import html_page, markdown_table
 from training.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
@@ -44,7 +45,9 @@ class EvaluateConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     intrinsic: IntrinsicConfig = Field(default_factory=IntrinsicConfig)
     prompting: PromptConfig | None = Field(
-        None, description="Zero/few-shot classification of the task by prompting (GPT, T5)."
+        None,
+        description="Zero/few-shot classification of the task by prompting (GPT, T5). A "
+        "sentence-pair regression task (STS) is scored by embedding cosine instead.",
     )
     split: str = Field("test", description="Task split scored by prompting.")
     max_examples: int | None = Field(
@@ -82,9 +85,30 @@ def evaluate_model(
         out["generation"] = generation_samples(
             model, tok, cfg.intrinsic.prompts, cfg.intrinsic.decodings
         )
-    if cfg.prompting is not None and task_dir is not None and family not in ENCODERS:
-        out["prompting"] = _prompting(model, tok, task_dir, cfg)
+    if task_dir is not None:
+        manifest, tables = read_downstream_dir(task_dir)
+        if manifest["task_type"] == "regression" and manifest.get("pair"):
+            out["similarity"] = _similarity(model, tok, tables, cfg)
+        elif cfg.prompting is not None and family not in ENCODERS:
+            out["prompting"] = _prompting(model, tok, task_dir, cfg)
     return out
+
+
+def _similarity(
+    model: Any, tok: Any, tables: dict[str, Any], cfg: EvaluateConfig
+) -> dict[str, Any]:
+    """Cosine of the two sentences' embeddings against the gold scores (STS protocol)."""
+    if cfg.split not in tables:
+        raise ValueError(f"similarity: no {cfg.split!r} split (has {sorted(tables)})")
+    table = tables[cfg.split]
+    if cfg.max_examples is not None:
+        table = table.slice(0, cfg.max_examples)
+    size = cfg.intrinsic.batch_size
+    left = sentence_embeddings(model, tok, table.column(schema.TEXT).to_pylist(), size)
+    right = sentence_embeddings(model, tok, table.column(schema.TEXT_PAIR).to_pylist(), size)
+    gold = table.column(schema.LABEL).to_numpy()
+    metrics = embedding_similarity_metrics(left, right, gold)
+    return {"examples": table.num_rows, "metrics": metrics}
 
 
 def _prompting(model: Any, tok: Any, task_dir: Path, cfg: EvaluateConfig) -> dict[str, Any]:
@@ -121,6 +145,10 @@ def evaluation_report(result: dict[str, Any], out: Path) -> tuple[list[Path], st
         sections.append(
             ("Generation samples", markdown_table(["decoding", "prompt", "output"], samples))
         )
+    if "similarity" in result:
+        rows = sorted(result["similarity"]["metrics"].items())
+        head = f"Sentence-embedding similarity ({result['similarity']['examples']} pairs)"
+        sections.append((head, markdown_table(["metric", "value"], rows)))
     if "prompting" in result:
         p = result["prompting"]
         rows = sorted(p["metrics"].items())
@@ -141,6 +169,8 @@ def evaluation_report(result: dict[str, Any], out: Path) -> tuple[list[Path], st
 
 def _numbers(result: dict[str, Any]) -> dict[str, float]:
     metrics = {f"heldout_{k}": float(v) for k, v in result.get("heldout", {}).items()}
+    sim = result.get("similarity", {}).get("metrics", {})
+    metrics |= {f"similarity_{k}": float(v) for k, v in sim.items()}
     if "prompting" in result:
         k = result["prompting"]["k_shot"]
         metrics |= {

@@ -138,3 +138,32 @@ def generation_samples(
             for p, t in zip(prompts, texts, strict=True)
         ]
     return rows
+
+
+def sentence_embeddings(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: list[str], batch_size: int
+) -> np.ndarray:
+    """Mean-pooled last hidden states over each text's real tokens, (N, D).
+
+    Encoders and decoders pool their last layer; T5 pools its encoder's.
+    """
+    out = []
+    encoder = model.get_encoder() if model.config.is_encoder_decoder else model
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model.train(False)
+    with torch.no_grad():
+        for start in range(0, len(texts), batch_size):
+            # Padded by hand: GPT-2 style vocabularies have no pad token (eos pads, masked out).
+            rows = tokenizer(texts[start : start + batch_size], truncation=True)["input_ids"]
+            width = max(len(r) for r in rows)
+            ids = torch.full((len(rows), width), int(pad))  # (B, T)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
+            for i, row in enumerate(rows):
+                ids[i, : len(row)] = torch.tensor(row)
+                mask[i, : len(row)] = 1
+            hidden = encoder(
+                input_ids=ids, attention_mask=mask, output_hidden_states=True
+            ).hidden_states[-1]  # (B, T, D)
+            weights = mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+            out.append(((hidden * weights).sum(1) / weights.sum(1).clamp_min(1)).float().numpy())
+    return np.concatenate(out)

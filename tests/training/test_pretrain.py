@@ -311,3 +311,37 @@ def test_run_stopped_at_step_k_resumes_in_a_new_process_with_identical_losses(
     b = gather_state_dict(Path(stopped["run_dir"]) / "checkpoint_step-000000008", "ds")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("objective", ["bert", "causal", "span_corruption"])
+def test_evaluate_reproduces_the_last_held_out_evaluation_and_probes_the_export(
+    objective: str, demo_data: Any, tmp_root: Path, mlflow_uri: str
+) -> None:
+    from training.data import ExampleShards
+    from training.evaluate import EvaluateConfig, evaluate_model
+    from training.intrinsic import IntrinsicConfig
+
+    run = trained(objective, demo_data, tmp_root, mlflow_uri)
+    summary = run["summary"]
+    evals = step_history(Path(summary["run_dir"]) / "evals.jsonl")
+    last = evals[max(evals)]
+    # The loop evaluated the first min(split, eval.max_samples) samples, cut to whole ranks.
+    count = min(len(ExampleShards(run["examples"], "validation", verify=False)), 96)
+    count -= count % 2
+    intrinsic = IntrinsicConfig(heldout_max_samples=count, prompts=["Alice"])
+    cfg = EvaluateConfig(intrinsic=intrinsic)
+    result = evaluate_model(
+        Path(summary["export_dir"]), cfg, seed=0, examples=(run["examples"], run["tokenizer"])
+    )
+    # Same samples, same fixed masking, same loss as the training-time evaluation.
+    assert result["heldout"]["loss"] == pytest.approx(last["eval_loss"], rel=1e-4)
+    assert result["heldout"]["perplexity"] == pytest.approx(last["eval_perplexity"], rel=1e-3)
+    if objective == "bert":
+        assert result["heldout"]["mlm_accuracy"] == pytest.approx(last["eval_mlm_accuracy"])
+        fillers = result["fill_mask"][0]["fillers"]
+        assert len(fillers) == 5
+        assert fillers[0]["probability"] >= fillers[-1]["probability"]
+    else:
+        samples = result["generation"]
+        assert len(samples) == 4  # one prompt under four decoding settings
+        assert all(isinstance(s["output"], str) for s in samples)
