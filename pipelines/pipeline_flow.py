@@ -21,9 +21,10 @@ def pipeline_flow(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     section, code) is unchanged reuses its output. Fine-tuning runs when a `task` is set.
     """
     stages = pretrain_flow(cfg)
+    # Later flows run their upstream stages again (reused); the first summaries are kept.
     if cfg.task is not None:
-        stages |= finetune_flow(cfg)
-    return stages | evaluate_flow(cfg)
+        stages = finetune_flow(cfg) | stages
+    return evaluate_flow(cfg) | stages
 
 
 if __name__ == "__main__":

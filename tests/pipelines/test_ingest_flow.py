@@ -115,7 +115,10 @@ def test_pipeline_flow_rerun_reuses_ingest_output(
         [
             f"workspace={tmp_path / 'ws'}",
             f"ingest.sources.0.path={tmp_path / 'demo' / 'corpus'}",
+            f"task.base_dir={tmp_path / 'demo'}",
             f"tracking.tracking_uri={mlflow_uri}",
+            "train.max_steps=20",  # the whole pipeline runs; the recipe's length is not the point
+            "finetune.epochs=1",
         ],
     )
     first = pipeline_flow(cfg)["ingest"]

@@ -1,4 +1,4 @@
-"""The synthetic demo corpus: deterministic bytes, a world that tokenizes well, honest task splits."""
+"""The synthetic demo corpus: same seed same bytes, one-word names, person-disjoint task splits."""
 
 from __future__ import annotations
 
@@ -13,16 +13,18 @@ import pytest
 from pydantic import ValidationError
 
 from tasks.synthetic import (
+    KINDS,
     RESIDENCE_QUESTIONS,
     SyntheticConfig,
     fact_sentence,
-    grammar_sentence,
     make_world,
     person_splits,
     write_corpus,
 )
+from tasks.tokenizer import TokenizerConfig, train_tokenizer
 
 SMALL = SyntheticConfig(documents=400, task_examples=50)
+SPLITS = ("train", "validation", "test")
 
 
 def read_rows(path: Path) -> list[dict[str, str]]:
@@ -38,6 +40,13 @@ def corpus_texts(out: Path) -> list[str]:
     return texts
 
 
+def person_in(sentence: str, names: set[str]) -> str:
+    """The one world name a task sentence mentions."""
+    found = [w for w in re.findall(r"[A-Za-z]+", sentence) if w in names]
+    assert len(found) == 1, sentence
+    return found[0]
+
+
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("synthetic")
@@ -47,29 +56,39 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_same_seed_writes_the_same_bytes(small_corpus: Path, tmp_path: Path) -> None:
     files = write_corpus(tmp_path, SMALL)
+    assert len(files) == SMALL.parts + 3
     for path in files:
         twin = small_corpus / path.relative_to(tmp_path)
         assert path.read_bytes() == twin.read_bytes(), path.name
 
 
 def test_another_seed_writes_another_world_and_corpus(small_corpus: Path, tmp_path: Path) -> None:
-    write_corpus(tmp_path, SMALL.model_copy(update={"seed": 1}))
+    other = SMALL.model_copy(update={"seed": 1})
+    write_corpus(tmp_path, other)
     assert corpus_texts(tmp_path) != corpus_texts(small_corpus)
-    assert make_world(SMALL) != make_world(SMALL.model_copy(update={"seed": 1}))
+    assert make_world(other) != make_world(SMALL)
 
 
-def test_world_names_are_distinct_single_words_outside_the_corpus_vocabulary() -> None:
+def test_world_names_are_distinct_capitalised_words_unlike_any_other_corpus_word() -> None:
     world = make_world(SyntheticConfig(people=600))
-    names = [p.name for p in world]
-    assert len(set(names)) == 600
-    assert all(re.fullmatch(r"[A-Z][a-z]{4}", n) for n in names)
+    names = {p.name.lower() for p in world}
+    assert len(names) == 600
+    assert all(re.fullmatch(r"[A-Z][a-z]{4}", p.name) for p in world)
     other_words = {
-        w.strip(".").lower()
-        for p in world[:12]
-        for kind in ("city", "job", "pet")
-        for w in fact_sentence(p, kind).split()[1:]
+        word.strip(".").lower()
+        for person in world
+        for kind in KINDS
+        for word in fact_sentence(person, kind, form=1).split()[1:]
     }
-    assert not {n.lower() for n in names} & other_words
+    assert not names & other_words
+
+
+def test_a_small_wordpiece_vocabulary_keeps_every_name_whole(small_corpus: Path) -> None:
+    tokenizer = train_tokenizer(
+        corpus_texts(small_corpus), TokenizerConfig(family="wordpiece", vocab_size=2048)
+    )
+    split = [p.name for p in make_world(SMALL) if len(tokenizer.encode(p.name).tokens) != 3]
+    assert split == []  # [CLS] name [SEP]
 
 
 def test_every_city_has_the_same_number_of_people() -> None:
@@ -78,17 +97,16 @@ def test_every_city_has_the_same_number_of_people() -> None:
     assert set(counts.values()) == {20}
 
 
-def test_fact_tasks_never_share_a_person_between_splits(small_corpus: Path) -> None:
-    for task in ("residence", "facts"):
-        people: dict[str, set[str]] = {}
-        for row in read_rows(small_corpus / "tasks" / f"{task}.csv"):
-            name = next(w for w in row["sentence"].rstrip("?").split() if w[0].isupper()
-                        and w not in ("Where", "In", "Which", "Is"))
-            people.setdefault(row["split"], set()).add(name)
-        assert set(people) == {"train", "validation", "test"}
-        assert not people["train"] & people["test"], task
-        assert not people["train"] & people["validation"], task
-        assert not people["validation"] & people["test"], task
+@pytest.mark.parametrize("task", ["residence", "facts"])
+def test_fact_tasks_never_share_a_person_between_splits(small_corpus: Path, task: str) -> None:
+    names = {p.name for p in make_world(SMALL)}
+    people: dict[str, set[str]] = {split: set() for split in SPLITS}
+    for row in read_rows(small_corpus / "tasks" / f"{task}.csv"):
+        people[row["split"]].add(person_in(row["sentence"], names))
+    assert all(people.values())
+    assert not people["train"] & people["test"]
+    assert not people["train"] & people["validation"]
+    assert not people["validation"] & people["test"]
 
 
 def test_residence_test_split_is_balanced_so_chance_is_one_in_twelve(small_corpus: Path) -> None:
@@ -100,52 +118,54 @@ def test_residence_test_split_is_balanced_so_chance_is_one_in_twelve(small_corpu
     assert 0 < len(train) <= 500
 
 
-def test_residence_answers_are_stated_in_the_corpus_but_never_asked_there(
+def test_residence_labels_are_the_true_cities(small_corpus: Path) -> None:
+    world = {p.name: p for p in make_world(SMALL)}
+    rows = read_rows(small_corpus / "tasks" / "residence.csv")
+    for row in rows:
+        assert world[person_in(row["sentence"], set(world))].city == row["label"], row
+    assert {r["sentence"].split()[0] for r in rows if r["split"] == "train"} == {
+        q.split()[0] for q in RESIDENCE_QUESTIONS
+    }
+
+
+def test_test_people_cities_are_stated_in_the_corpus_and_never_asked_there(
     small_corpus: Path,
 ) -> None:
     text = "\n".join(corpus_texts(small_corpus))
-    world = {p.name: p for p in make_world(SMALL)}
-    splits = person_splits(list(world.values()), SMALL)
-    test_people = [name for name, split in splits.items() if split == "test"]
-    stated = [name for name in test_people if f"{name} lives in {world[name].city}." in text]
-    assert len(stated) == len(test_people)
+    world = make_world(SMALL)
+    test_people = [p for p in world if person_splits(world, SMALL)[p.name] == "test"]
+    assert all(f"{p.name} lives in {p.city}." in text for p in test_people)
     assert "?" not in text
     assert not any(q.split("{")[0].strip() in text for q in RESIDENCE_QUESTIONS)
 
 
-def test_residence_labels_are_the_true_cities(small_corpus: Path) -> None:
-    world = {p.name: p for p in make_world(SMALL)}
-    for row in read_rows(small_corpus / "tasks" / "residence.csv"):
-        name = row["sentence"].rstrip("?").split()[-1 if "home" in row["sentence"] else -2]
-        assert world[name].city == row["label"], row
-
-
 def test_fact_claims_are_half_true_half_false_in_every_split(small_corpus: Path) -> None:
+    world = {p.name: p for p in make_world(SMALL)}
     rows = read_rows(small_corpus / "tasks" / "facts.csv")
-    for split in ("train", "validation", "test"):
+    for split in SPLITS:
         labels = Counter(r["label"] for r in rows if r["split"] == split)
         assert labels["1"] == labels["0"] > 0, split
+    for row in rows:
+        person = world[person_in(row["sentence"], set(world))]
+        true_values = {person.city, person.job, person.pet}
+        stated = row["sentence"].rstrip("?").split()[-1]
+        assert (stated in true_values) == (row["label"] == "1"), row
 
 
 def test_acceptability_labels_follow_agreement(small_corpus: Path) -> None:
     rows = read_rows(small_corpus / "tasks" / "acceptability.csv")
     assert len(rows) == SMALL.task_examples
-    singular = {"runs", "sings", "waits", "sleeps", "works", "shines", "moves", "rests"}
+    singular_verbs = {"runs", "sings", "waits", "sleeps", "works", "shines", "moves", "rests"}
     plural_nouns = {"dogs", "children", "farmers", "birds", "teachers", "rivers", "trains", "cooks"}
     for row in rows:
-        words = row["sentence"].split()
-        noun, verb = words[2], words[3]
-        agrees = (noun in plural_nouns) != (verb in singular)
+        noun, verb = row["sentence"].split()[2:4]
+        agrees = (noun in plural_nouns) != (verb in singular_verbs)
         assert agrees == (row["label"] == "1"), row
-
-
-def test_grammar_sentence_violates_agreement_only_when_asked() -> None:
-    import random
-
-    rng = random.Random(0)
-    assert all(grammar_sentence(rng).startswith("The ") for _ in range(20))
 
 
 def test_config_refuses_a_world_too_small_for_the_splits() -> None:
     with pytest.raises(ValidationError, match="people"):
         SyntheticConfig(people=10)
+    with pytest.raises(ValidationError, match="no train person per city"):
+        SyntheticConfig(people=48, test_share=0.5, validation_share=0.4)
+    assert SyntheticConfig(people=36).people == 36  # 3 per city: one per split
