@@ -269,7 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overrides", type=json.loads, default={"num_hidden_layers": 2})
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--precision", default="bf16")
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--ft-lr", type=float, default=FinetuneRecipe.lr)
