@@ -31,8 +31,6 @@ check-install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/lmpipe demo-corpus --out workspace/demo_data
 	PREFECT_HOME=$(CURDIR)/workspace/.prefect $(BIN)/lmpipe run configs/demo.yaml
-	@echo "MLflow UI:  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/workspace/mlflow.db"
-	@echo "Prefect UI: PREFECT_HOME=$(CURDIR)/workspace/.prefect $(BIN)/prefect server start"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

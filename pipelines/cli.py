@@ -7,6 +7,7 @@ recipe and dotted `key=value` overrides; an invalid key or value stops it before
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -152,13 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("workspace/demo_data"))
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--documents", type=int, default=3000)
+    for module in _OPERATIONS:
+        # Each operations module adds its subcommands with a `func(args) -> int` default.
+        importlib.import_module(module).register(sub)
     return parser
+
+
+# Subcommands that operate the stack rather than run a stage; each module has `register(sub)`.
+_OPERATIONS: tuple[str, ...] = ()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the `lmpipe` command line; return the process exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "func", None) is not None:
+        return int(args.func(args))
     if args.command == "demo-corpus":
         return _demo_corpus(args.out, args.seed, args.documents)
     if args.command == "export":
@@ -193,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = commands[args.command](cfg)
     if inspect:
         return _inspect(stages, args.count)
-    return _summarise(stages)
+    return _summarise(cfg, stages)
 
 
 def _run_ingest(cfg: RunConfig) -> dict[str, dict[str, Any]]:
@@ -284,112 +294,22 @@ def _run_pipeline(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     return pipeline_flow(cfg)
 
 
-def _summarise(stages: dict[str, dict[str, Any]]) -> int:
+def _summarise(cfg: RunConfig, stages: dict[str, dict[str, Any]]) -> int:
+    from pipelines.runtime import resolve_environment
+    from pipelines.summary import stage_rows, where_to_look
+
     table = Table(title="lmpipe stages")
     table.add_column("stage")
     table.add_column("what")
     table.add_column("value", justify="right")
     for name, result in stages.items():
-        if name in _ROWS:
-            rows = _ROWS[name](result)
-            for i, (what, value) in enumerate(rows):
-                table.add_row(name if i == 0 else "", what, value, end_section=i == len(rows) - 1)
-            continue
-        manifest = json.loads((Path(result["path"]) / "manifest.json").read_text())
-        if name in ("ingest", "decontaminate"):  # a decontaminated corpus is ingest-format
-            rows = _decontaminate_rows(manifest) if name == "decontaminate" else []
-            rows += _ingest_rows(manifest)
-        else:
-            rows = _metric_rows(manifest["metrics"])
-        status = "reused" if result["reused"] else "built"
-        rows += [("status", status), ("output", result["path"])]
-        rows.append(("MLflow run", str(result.get("mlflow_run_id"))))
+        rows = stage_rows(name, result)
         for i, (what, value) in enumerate(rows):
             table.add_row(name if i == 0 else "", what, value, end_section=i == len(rows) - 1)
     console.print(table)
+    for line in where_to_look(resolve_environment(cfg), stages):
+        console.print(line, highlight=False, markup=False)
     return 0
-
-
-def _pretrain_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = [("step", str(result["step"])), ("finished", str(result["finished"]))]
-    rows += _metric_rows(result.get("metrics", {}))
-    return rows + _keys(result, "checkpoint", "export_dir", "model_name", "model_version")
-
-
-def _keys(result: dict[str, Any], *keys: str) -> list[tuple[str, str]]:
-    return [(k.replace("_", " "), str(result[k])) for k in keys if k in result]
-
-
-def _downstream_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = [("task", f"{result['name']} ({result['task_type']})")]
-    rows += [(f"split {s}", f"{e['rows']:,} examples") for s, e in result["splits"].items()]
-    return [*rows, ("output", str(result["path"]))]
-
-
-def _finetune_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = [
-        ("strategy", str(result["strategy"])),
-        ("epochs run / best", f"{result['epochs_run']} / {result['best_epoch'] + 1}"),
-        ("trainable parameters", f"{result['trainable_parameters']:,}"),
-    ]
-    rows += _metric_rows({f"test {k}": v for k, v in result["test"].items()})
-    return rows + _keys(result, "export_dir", "model_name", "model_version", "mlflow_run_id")
-
-
-def _compare_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = [
-        (str(r["strategy"]), f"{r['mean']:.4f} ± {r['std']:.4f} ({len(r['values'])} seeds)")
-        for r in result["rows"]
-    ]
-    return [*rows, ("report", str(result["report_dir"]))]
-
-
-def _evaluate_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = _metric_rows({f"held-out {k}": v for k, v in result.get("heldout", {}).items()})
-    if "prompting" in result:
-        prompted = result["prompting"]["metrics"]
-        rows += _metric_rows({f"prompting {k}": v for k, v in prompted.items()})
-    return [*rows, ("report", str(result["report_dir"]))]
-
-
-_ROWS: dict[str, Callable[[dict[str, Any]], list[tuple[str, str]]]] = {
-    "pretrain": _pretrain_rows,
-    "downstream": _downstream_rows,
-    "finetune": _finetune_rows,
-    "compare": _compare_rows,
-    "evaluate": _evaluate_rows,
-}
-
-
-def _metric_rows(metrics: dict[str, float]) -> list[tuple[str, str]]:
-    return [
-        (key.replace("_", " "), f"{value:,}" if isinstance(value, int) else f"{value:,.4g}")
-        for key, value in metrics.items()
-    ]
-
-
-def _decontaminate_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
-    report = manifest["decontamination"]
-    rows = [("n-gram words", str(report["n"]))]
-    rows += [(f"removed by {name}", f"{n:,}") for name, n in report["removed_by"].items()]
-    return [*rows, ("documents removed", f"{report['documents_removed']:,}")]
-
-
-def _ingest_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
-    counts = manifest["counts"]
-    rows = [("documents read", f"{counts['read']:,}"), ("kept", f"{counts['kept']:,}")]
-    for group in ("filtered", "duplicates", "quarantined"):
-        rows += [(f"{group}: {reason}", f"{n:,}") for reason, n in counts[group].items()]
-    for split in ("train", "validation", "test"):
-        entry = manifest["splits"][split]
-        size = sum(s["bytes"] for s in entry["shards"]) / 2**20
-        rows.append(
-            (
-                f"split {split}",
-                f"{entry['rows']:,} docs, {len(entry['shards'])} shards, {size:.1f} MiB",
-            )
-        )
-    return rows
 
 
 def _demo_corpus(out: Path, seed: int, documents: int) -> int:

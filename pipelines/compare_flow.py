@@ -8,8 +8,9 @@ from typing import Any
 from prefect import flow
 
 from pipelines.config import RunConfig, load_config
-from pipelines.finetune_flow import base_model, prepare_task
+from pipelines.finetune_flow import prepare_task, upstream
 from pipelines.runtime import resolve_environment
+from pipelines.steps import base_model
 from training.compare import compare_task
 from training.finetune import finetune_task
 
@@ -26,7 +27,7 @@ def compare_flow(cfg: RunConfig) -> dict[str, Any]:
     experiment = cfg.compare.experiment or f"{cfg.tracking.experiment}-compare"
     tracking = cfg.tracking.model_copy(update={"experiment": experiment})
     data = prepare_task(cfg)
-    model_dir, lineage, _ = base_model(cfg)
+    model_dir, lineage = base_model(cfg, upstream(cfg))
     names, summaries = [], []
     for entry in cfg.compare.entries:
         update = {

@@ -42,6 +42,12 @@ class PrefectConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     api_url: str | None = Field(None, description="e.g. http://127.0.0.1:4200/api")
     api_key: SecretStr | None = Field(None, description="Prefect Cloud API key (never logged).")
+    retries: int = Field(
+        2, ge=0, le=10, description="Retries of a data stage after a transient failure."
+    )
+    retry_delay_s: float = Field(
+        10.0, gt=0, description="First retry delay; each later one doubles (exponential back-off)."
+    )
 
 
 class TaskRef(BaseModel):

@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from prefect import flow
 
-from pipelines.config import ConfigError, RunConfig, load_config
+from pipelines.config import RunConfig, load_config
 from pipelines.runtime import resolve_environment
-from pipelines.stage_tracking import track_stage_task
-from tasks.ingest_run import ingest_task
+from pipelines.steps import Stages, ingest_step
 
 
 @flow(name="ingest")
-def ingest_flow(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+def ingest_flow(cfg: RunConfig) -> Stages:
     """Ingest the corpus into fingerprinted Arrow shards; returns `{"ingest": summary}`."""
     cfg = resolve_environment(cfg)
-    if cfg.ingest is None:
-        raise ConfigError("this command needs an `ingest` section (the corpus to read)")
-    result = ingest_task(cfg.ingest, cfg.ray, str(cfg.workspace))
-    return {"ingest": result | {"mlflow_run_id": track_stage_task(result, cfg)}}
+    return ingest_step(cfg, {})
 
 
 if __name__ == "__main__":

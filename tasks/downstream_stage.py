@@ -157,10 +157,11 @@ def prepare_downstream(cfg: DatasetConfig, base_dir: Path, out_dir: Path) -> Dow
 
 
 @task(name="prepare-downstream", cache_policy=NO_CACHE)
-def prepare_downstream_task(cfg: DatasetConfig, base_dir: str, out_dir: str) -> DownstreamManifest:
-    """Prepare one downstream dataset (or reuse it) and return its manifest.
+def prepare_downstream_task(cfg: DatasetConfig, base_dir: str, out_dir: str) -> dict[str, Any]:
+    """Prepare one downstream dataset (or reuse it); return its manifest as a summary.
 
-    Caching is the fingerprint check in `prepare` (one mechanism for every stage).
+    Caching is the fingerprint check in `prepare` (one mechanism for every stage); the summary
+    adds `reused`.
     """
     manifest, reused = prepare(cfg, Path(base_dir), Path(out_dir))
     get_run_logger().info(
@@ -170,7 +171,7 @@ def prepare_downstream_task(cfg: DatasetConfig, base_dir: str, out_dir: str) -> 
         "reused" if reused else "built",
         ", ".join(f"{split} {entry.rows}" for split, entry in manifest.splits.items()),
     )
-    return manifest
+    return manifest.model_dump(mode="json") | {"reused": reused}
 
 
 def read_downstream(manifest_or_dir: DownstreamManifest | Path | str) -> DownstreamData:

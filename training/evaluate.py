@@ -20,7 +20,14 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks import schema
-from tasks.io import read_downstream_dir, write_json_atomic
+from tasks.io import fingerprint, read_downstream_dir, source_hash, write_json_atomic
+from tasks.stage import (
+    commit_dir,
+    complete_manifest,
+    file_entry,
+    remove_stale_temps,
+    temp_dir_beside,
+)
 from training.export import load_export
 from training.intrinsic import (
     IntrinsicConfig,
@@ -158,6 +165,13 @@ def evaluation_report(result: dict[str, Any], out: Path) -> tuple[list[Path], st
                 markdown_table(["metric", "value"], rows),
             )
         )
+    if "finetuned" in result:
+        tuned = result["finetuned"]
+        rows = [(f"test {k}", v) for k, v in sorted(tuned["test"].items())]
+        rows += [
+            (k.replace("_", " "), tuned[k]) for k in ("model_name", "model_version") if k in tuned
+        ]
+        sections.append(("Fine-tuned model", markdown_table(["what", "value"], rows)))
     title = f"Evaluation: {result['family']} at {result['model_dir']}"
     text = "\n\n".join([f"# {title}", *(f"## {h}\n\n{b}" for h, b in sections)]) + "\n"
     out.mkdir(parents=True, exist_ok=True)
@@ -171,6 +185,8 @@ def _numbers(result: dict[str, Any]) -> dict[str, float]:
     metrics = {f"heldout_{k}": float(v) for k, v in result.get("heldout", {}).items()}
     sim = result.get("similarity", {}).get("metrics", {})
     metrics |= {f"similarity_{k}": float(v) for k, v in sim.items()}
+    tuned = result.get("finetuned", {}).get("test", {})
+    metrics |= {f"finetuned_test_{k}": float(v) for k, v in tuned.items()}
     if "prompting" in result:
         k = result["prompting"]["k_shot"]
         metrics |= {
@@ -179,37 +195,98 @@ def _numbers(result: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
+def evaluate_fingerprint(
+    model_dir: Path,
+    cfg: EvaluateConfig,
+    seed: int,
+    examples: tuple[Path, Path] | None,
+    task_dir: Path | None,
+    finetuned: dict[str, Any] | None,
+) -> str:
+    """The evaluation's identity: the model, its data, the config, the seed and the code."""
+    from training.finetune import model_fingerprint
+
+    def manifest_fp(path: Path) -> str:
+        return str(json.loads((path / "manifest.json").read_text())["fingerprint"])
+
+    return fingerprint(
+        {
+            "model": model_fingerprint(model_dir),
+            "evaluate": cfg.model_dump(mode="json"),
+            "seed": seed,
+            "examples": [manifest_fp(p) for p in examples] if examples else None,
+            "task": manifest_fp(task_dir) if task_dir else None,
+            "finetuned": _finetuned_identity(finetuned),
+            "code": source_hash("tasks", "training"),
+        }
+    )
+
+
+def _finetuned_identity(finetuned: dict[str, Any] | None) -> str | None:
+    # A fine-tuning run directory is named by its own identity (data, model, config, seed).
+    return Path(finetuned["run_dir"]).name if finetuned else None
+
+
+def _finetuned_section(finetuned: dict[str, Any]) -> dict[str, Any]:
+    """What the report shows of the fine-tuned model: its test metrics and where it is."""
+    keys = ("export_dir", "model_name", "model_version", "strategy", "best_epoch")
+    return {k: finetuned[k] for k in keys if k in finetuned} | {"test": finetuned["test"]}
+
+
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_task(
     model_dir: str,
     cfg: EvaluateConfig,
-    out_dir: str,
     tracking: TrackingConfig,
     workspace: str,
     run_name: str,
     seed: int = 0,
     examples: tuple[str, str] | None = None,
     task_dir: str | None = None,
+    finetuned: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Prefect task: evaluate, write the report, log it to MLflow, publish it as an artifact."""
+    """Prefect task: evaluate (or reuse), write the report, log it to MLflow, publish it.
+
+    The output is `<workspace>/evaluate/<fingerprint>/`; an evaluation with the same model,
+    data, config, seed, fine-tuned model and code is reused as it is (`reused: true`). With
+    `finetuned` (a fine-tuning summary), the report also shows the fine-tuned model's test
+    metrics.
+    """
+    examples_paths = (Path(examples[0]), Path(examples[1])) if examples else None
+    task_path = Path(task_dir) if task_dir else None
+    fp = evaluate_fingerprint(Path(model_dir), cfg, seed, examples_paths, task_path, finetuned)
+    out = Path(workspace) / "evaluate" / fp
+    done = complete_manifest(out)
+    if done is not None:
+        log.info("evaluation %s already done: reused", fp)
+        return dict(done["summary"]) | {"path": str(out), "reused": True}
+    remove_stale_temps(out)
+    tmp = temp_dir_beside(out)
     result = evaluate_model(
-        Path(model_dir),
-        cfg,
-        seed=seed,
-        examples=(Path(examples[0]), Path(examples[1])) if examples else None,
-        task_dir=Path(task_dir) if task_dir else None,
+        Path(model_dir), cfg, seed=seed, examples=examples_paths, task_dir=task_path
     )
-    files, text = evaluation_report(result, Path(out_dir))
+    if finetuned:
+        result["finetuned"] = _finetuned_section(finetuned)
+    files, text = evaluation_report(result, tmp)
     if tracking.enabled and tracking.tracking_uri:
         uri = tracking.tracking_uri
-        run_id = open_run(
-            tracking, uri, Path(workspace), f"{run_name}-evaluate", {"stage": "evaluate"}
-        )
+        tags = {"stage": "evaluate", "lmpipe.stage": "evaluate", "lmpipe.fingerprint": fp}
+        run_id = open_run(tracking, uri, Path(workspace), f"{run_name}-evaluate", tags)
         tracker = MlflowTracker(uri, run_id)
         tracker.log_metrics(_numbers(result))
         for path in files:
             tracker.log_artifact(path, "evaluation")
         set_run_status(uri, run_id, "FINISHED")
         result["mlflow_run_id"] = run_id
+    summary = {"stage": "evaluate", "fingerprint": fp, **result}
+    manifest = {
+        "stage": "evaluate",
+        "fingerprint": fp,
+        "files": [file_entry(tmp, path) for path in files],
+        "metrics": _numbers(result),
+        "summary": summary,
+    }
+    write_json_atomic(tmp / "manifest.json", manifest)
+    commit_dir(tmp, out)
     create_markdown_artifact(text, key="evaluation", description="Model evaluation")
-    return result
+    return summary | {"path": str(out), "reused": False}

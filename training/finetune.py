@@ -19,7 +19,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from tasks.io import fingerprint, flatten, sha256_file, write_json_atomic
+from tasks.io import fingerprint, flatten, sha256_file, source_hash, write_json_atomic
 from tasks.ray_runtime import RayConfig
 from training.finetune_config import BaseModelRef, FinetuneConfig
 from training.finetune_loop import FinetuneJob, finetune_loop_per_worker
@@ -53,11 +53,17 @@ def model_fingerprint(model_dir: Path) -> str:
 
 
 def finetune_run_id(cfg: FinetuneConfig, seed: int, data_dir: Path, model_dir: Path) -> str:
-    """The run's identity: task data and base model fingerprints, the config, the seed."""
+    """The run's identity: task data and base model fingerprints, the config, seed and code."""
     data = json.loads((data_dir / "manifest.json").read_text())["fingerprint"]
     train = cfg.model_dump(mode="json", exclude={"register_model", "model_name", "alias", "base"})
     return fingerprint(
-        {"data": data, "model": model_fingerprint(model_dir), "finetune": train, "seed": seed}
+        {
+            "data": data,
+            "model": model_fingerprint(model_dir),
+            "finetune": train,
+            "seed": seed,
+            "code": source_hash("tasks", "training"),
+        }
     )
 
 
@@ -129,7 +135,7 @@ def finetune_stage(
     run_id = finetune_run_id(cfg, seed, data_dir, model_dir)
     record_file = root / f"{run_id}.run.json"
     if record_file.is_file():
-        return json.loads(record_file.read_text())  # type: ignore[no-any-return]
+        return dict(json.loads(record_file.read_text())) | {"reused": True}
     uri = tracking.tracking_uri if tracking.enabled else None
     mlflow_run: str | None = None
     task = json.loads((data_dir / "manifest.json").read_text())
@@ -161,7 +167,7 @@ def finetune_stage(
     if uri is not None and mlflow_run is not None:
         set_run_status(uri, mlflow_run, "FINISHED")
     write_json_atomic(record_file, summary)
-    return summary
+    return summary | {"reused": False}
 
 
 def _publish(

@@ -172,7 +172,7 @@ def pretrain_stage(
     record_file = storage_root(cfg, workspace) / f"{run_id}.run.json"
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     if record.get("registered") and not stop_at_step:
-        return record["summary"]  # type: ignore[no-any-return]
+        return dict(record["summary"]) | {"reused": True}
     uri = tracking.tracking_uri if tracking.enabled else None
     mlflow_run = record.get("mlflow_run_id")
     if uri is not None:
@@ -208,7 +208,7 @@ def pretrain_stage(
     write_json_atomic(
         record_file, {"mlflow_run_id": mlflow_run, "registered": registered, "summary": summary}
     )
-    return summary
+    return summary | {"reused": False}
 
 
 def _summary(run: TrainingRun) -> dict[str, Any]:

@@ -33,6 +33,23 @@ class TrackingConfig(BaseModel):
     experiment: str = Field("lmpipe", min_length=1, description="MLflow experiment name.")
     username: str | None = Field(None, description="Basic-auth user of a tracking server.")
     password: SecretStr | None = Field(None, description="Basic-auth password (never logged).")
+    ui_url: str | None = Field(
+        None,
+        description="MLflow UI address for links in summaries; default: the tracking URI when "
+        "it is http(s), else none (open `mlflow ui` on the store).",
+    )
+    parent_run_id: str | None = Field(
+        None,
+        description="Nest every stage's run under this MLflow run (the pipeline flow sets it "
+        "to its own parent run).",
+    )
+
+    def ui_base(self) -> str | None:
+        """The MLflow UI address that links point at, or None when there is no server."""
+        if self.ui_url:
+            return self.ui_url.rstrip("/")
+        uri = self.tracking_uri or ""
+        return uri.rstrip("/") if uri.startswith(("http://", "https://")) else None
 
 
 class Tracker(Protocol):
@@ -156,16 +173,25 @@ def open_run(
     if run_id is not None:
         client.update_run(run_id, status="RUNNING")
         return run_id
-    experiment = client.get_experiment_by_name(cfg.experiment)
-    if experiment is None:
-        location = None
-        if tracking_uri.startswith("sqlite:") or tracking_uri.startswith("file:"):
-            location = (workspace / "mlartifacts").resolve().as_uri()
-        experiment_id = client.create_experiment(cfg.experiment, artifact_location=location)
-    else:
-        experiment_id = experiment.experiment_id
-    run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags))
+    if cfg.parent_run_id is not None:
+        tags = {**tags, "mlflow.parentRunId": cfg.parent_run_id}
+    experiment = experiment_id(cfg, tracking_uri, workspace)
+    run = client.create_run(experiment, run_name=run_name, tags=dict(tags))
     return str(run.info.run_id)
+
+
+def experiment_id(cfg: TrackingConfig, tracking_uri: str, workspace: Path) -> str:
+    """The id of the configured experiment, created (with local artifacts) when missing."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name(cfg.experiment)
+    if experiment is not None:
+        return str(experiment.experiment_id)
+    location = None
+    if tracking_uri.startswith("sqlite:") or tracking_uri.startswith("file:"):
+        location = (workspace / "mlartifacts").resolve().as_uri()
+    return str(client.create_experiment(cfg.experiment, artifact_location=location))
 
 
 def set_run_status(tracking_uri: str, run_id: str, status: str) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.io import fingerprint
+from tasks.io import fingerprint, source_hash
 from tasks.ray_runtime import RayConfig, ensure_ray
 from training import checkpoint as ckpt
 from training.config import ScaleConfig, TrainConfig
@@ -41,14 +41,15 @@ class TrainingRun:
 
 
 def run_id_for(cfg: TrainConfig, seed: int, examples_dir: Path, tokenizer_dir: Path) -> str:
-    """The run's identity: a hash of its inputs' fingerprints, the train config and the seed."""
+    """The run's identity: a hash of its inputs' fingerprints, the train config, seed and code."""
     inputs = {
         "examples": read_manifest(examples_dir)["fingerprint"],
         "tokenizer": json.loads((tokenizer_dir / "manifest.json").read_text())["fingerprint"],
     }
     # Where checkpoints go and how often we log do not change what is trained.
     train = cfg.model_dump(mode="json", exclude={"checkpoint", "log_every_steps", "eval"})
-    return fingerprint({"inputs": inputs, "train": train, "seed": seed})
+    code = source_hash("tasks", "training")
+    return fingerprint({"inputs": inputs, "train": train, "seed": seed, "code": code})
 
 
 def storage_root(cfg: TrainConfig, workspace: Path) -> Path:

@@ -99,33 +99,3 @@ def test_lmpipe_ingest_over_shared_corpora(
     local = client.download_artifacts(run.info.run_id, "manifest/manifest.json", str(tmp_path))
     assert json.loads(Path(local).read_text())["fingerprint"] == manifest["fingerprint"]
     assert re.fullmatch(r"[0-9a-f]{16}", manifest["fingerprint"])
-
-
-def test_pipeline_flow_rerun_reuses_ingest_output(
-    tmp_path: Path, ray_session: str, prefect_api: str, mlflow_uri: str
-) -> None:
-    from pipelines.config import load_config
-    from pipelines.pipeline_flow import pipeline_flow
-    from tasks.synthetic import SyntheticConfig, write_corpus
-
-    write_corpus(tmp_path / "demo", SyntheticConfig(documents=300, task_examples=20))
-    recipe = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
-    cfg = load_config(
-        recipe,
-        [
-            f"workspace={tmp_path / 'ws'}",
-            f"ingest.sources.0.path={tmp_path / 'demo' / 'corpus'}",
-            f"task.base_dir={tmp_path / 'demo'}",
-            f"tracking.tracking_uri={mlflow_uri}",
-            "train.max_steps=20",  # the whole pipeline runs; the recipe's length is not the point
-            "finetune.epochs=1",
-        ],
-    )
-    first = pipeline_flow(cfg)["ingest"]
-    second = pipeline_flow(cfg)["ingest"]
-    assert not first["reused"]
-    assert second["reused"]
-    assert first["path"] == second["path"]
-    client = MlflowClient(mlflow_uri)
-    run = client.get_run(second["mlflow_run_id"])
-    assert run.data.tags["lmpipe.reused"] == "true"

@@ -693,10 +693,15 @@ def test_read_downstream_returns_the_loaded_tables(tmp_path: Path) -> None:
         read_downstream_dir(tmp_path / "src")
 
 
-def test_prepare_downstream_task_returns_the_manifest(tmp_path: Path) -> None:
+def test_prepare_downstream_task_returns_the_manifest_and_whether_it_was_reused(
+    tmp_path: Path,
+) -> None:
     from prefect.logging import disable_run_logger
 
     cfg = small_task(tmp_path)
     with disable_run_logger():
-        manifest = prepare_downstream_task.fn(cfg, str(tmp_path / "src"), str(tmp_path / "out"))
-    assert manifest == prepare_downstream(cfg, tmp_path / "src", tmp_path / "out")
+        first = prepare_downstream_task.fn(cfg, str(tmp_path / "src"), str(tmp_path / "out"))
+        second = prepare_downstream_task.fn(cfg, str(tmp_path / "src"), str(tmp_path / "out"))
+    manifest = prepare_downstream(cfg, tmp_path / "src", tmp_path / "out").model_dump(mode="json")
+    assert first == manifest | {"reused": False}
+    assert second == manifest | {"reused": True}
