@@ -160,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands that operate the stack rather than run a stage; each module has `register(sub)`.
-_OPERATIONS: tuple[str, ...] = ()
+_OPERATIONS: tuple[str, ...] = (
+    "pipelines.cli_serve",
+    "pipelines.cli_gc",
+    "pipelines.cli_servers",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

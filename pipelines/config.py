@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from pipelines.deployments_config import DeploymentsConfig
+from pipelines.servers import ServersConfig
 from tasks.decontaminate import DecontaminateConfig
 from tasks.downstream_config import DatasetConfig, load_dataset_config
 from tasks.encode import EncodeConfig
@@ -107,6 +109,14 @@ class RunConfig(BaseModel):
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
     compare: CompareConfig = Field(default_factory=CompareConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    deployments: DeploymentsConfig = Field(
+        default_factory=DeploymentsConfig,
+        description="Prefect deployments of this recipe and their schedules (`lmpipe serve`).",
+    )
+    servers: ServersConfig = Field(
+        default_factory=ServersConfig,
+        description="The local Prefect and MLflow servers of `lmpipe up` / `lmpipe down`.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -114,6 +124,18 @@ class RunConfig(BaseModel):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", value):
             raise ValueError(f"{value!r} must be 1-100 letters, digits, '_', '.' or '-'")
         return value
+
+
+# Keys whose values are never echoed in an error: secrets, and URLs that may embed credentials.
+_SECRET_KEYS = (
+    "password",
+    "api_key",
+    "storage_options",
+    "auth_string",
+    "database_url",
+    "backend_store_uri",
+    "secret",
+)
 
 
 class ConfigError(ValueError):
@@ -189,7 +211,7 @@ def format_validation_error(exc: ValidationError, origin: str) -> str:
         elif error["type"] == "literal_error":
             message = f"must be one of {error.get('ctx', {}).get('expected', '')}"
         shown = "<missing>" if error["type"] == "missing" else repr(error.get("input"))
-        if "password" in key or "api_key" in key or "storage_options" in key:
+        if any(word in key for word in _SECRET_KEYS):
             shown = "<hidden>"
         lines.append(f"  {key} = {shown[:120]}: {message}")
     return "\n".join(lines)
