@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 _OPERATIONS: tuple[str, ...] = (
     "pipelines.cli_serve",
     "pipelines.cli_gc",
+    "pipelines.cli_submit",
     "pipelines.cli_servers",
 )
 

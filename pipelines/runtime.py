@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from pipelines.config import RunConfig
+from tasks.ray_runtime import check_storage
 from training.tracking import local_tracking_uri
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,10 @@ def resolve_environment(cfg: RunConfig) -> RunConfig:
 
     Ray 2.60 clients that name an address need `RAY_AUTH_MODE=token` (STACK_NOTES §0.3); a
     Prefect API URL and MLflow credentials from the config are exported for their clients.
+
+    Raises:
+        StorageError: the workspace is a local path, the cluster has several nodes and
+            `ray.shared_storage` is false (`tasks.ray_runtime.check_storage`).
     """
     env = os.environ
     ray = (
@@ -42,5 +47,7 @@ def resolve_environment(cfg: RunConfig) -> RunConfig:
     if tracking.password is not None:
         env["MLFLOW_TRACKING_PASSWORD"] = tracking.password.get_secret_value()
     workspace = Path(os.path.abspath(cfg.workspace))
+    # A local workspace on a multi-node cluster is refused unless the config says it is shared.
+    check_storage(ray, str(workspace))
     workspace.mkdir(parents=True, exist_ok=True)
     return cfg.model_copy(update={"ray": ray, "tracking": tracking, "workspace": workspace})

@@ -297,6 +297,10 @@ def _plan_prefect(cfg: ServersConfig, state_dir: Path, base: dict[str, str]) -> 
     )
     if cfg.prefect_auth_string is not None:
         env["PREFECT_SERVER_API_AUTH_STRING"] = cfg.prefect_auth_string.get_secret_value()
+    # The UI's API address comes from these settings, not from `--port`: without them the UI
+    # of a server on another port calls the default 127.0.0.1:4200 (see test_browser.py).
+    env["PREFECT_SERVER_API_HOST"] = cfg.host
+    env["PREFECT_SERVER_API_PORT"] = str(cfg.prefect_port)
     if cfg.prefect_ui_api_url:
         env["PREFECT_UI_API_URL"] = cfg.prefect_ui_api_url
     url = f"http://{client_host(cfg.host)}:{cfg.prefect_port}"

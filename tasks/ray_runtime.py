@@ -2,14 +2,17 @@
 
 One Prefect task per stage drives these Ray tasks from its process (the driver). A local Ray is
 started on first use, bound to 127.0.0.1 and sized so its own tasks never starve (STACK_NOTES
-§0.4); with `ray.address` set, the same code runs on a cluster.
+§0.4); with `ray.address` set, the same code runs on a cluster. `check_storage` refuses a
+workspace that the cluster's other nodes cannot see (a local path on several nodes).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import ray
@@ -36,6 +39,64 @@ class RayConfig(BaseModel):
     object_store_mb: int = Field(
         256, ge=80, description="Object store size of a local Ray, in MiB."
     )
+    shared_storage: bool = Field(
+        False,
+        description="All nodes see the workspace path (e.g. NFS, or all nodes on one host); "
+        "without it a local workspace path on a multi-node cluster is refused.",
+    )
+
+
+class StorageError(RuntimeError):
+    """The workspace is a local path that other nodes of the Ray cluster cannot see."""
+
+
+# A URI scheme of two or more letters: one letter is a Windows drive (C:/...), not a URI.
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+
+
+def is_remote_uri(path: str | Path) -> bool:
+    """Whether `path` names storage every node reaches (s3://, gs://, ...), not a local file."""
+    match = _URI.match(str(path))
+    return match is not None and match.group(1).lower() != "file"
+
+
+def storage_problem(workspace: str | Path, nodes: int, shared_storage: bool) -> str | None:
+    """Say why `workspace` cannot serve a cluster of `nodes` alive nodes; None when it can.
+
+    A local path is fine on one node, or when the config says every node sees it
+    (`ray.shared_storage`); a remote URI is always fine.
+    """
+    if nodes <= 1 or shared_storage or is_remote_uri(workspace):
+        return None
+    return (
+        f"workspace {workspace} is a local path, but the Ray cluster has {nodes} nodes: "
+        "workers on the other nodes would not see its files. Put the workspace on storage "
+        "every node mounts at the same path (NFS, a shared disk) and set "
+        "ray.shared_storage=true (also right when every node runs on this host), or use a "
+        "cloud URI (s3://, gs://, ...)"
+    )
+
+
+def alive_nodes() -> int:
+    """Count the alive nodes (distinct node ids) of the connected Ray cluster."""
+    return len({node["NodeID"] for node in ray.nodes() if node.get("Alive")})
+
+
+def check_storage(cfg: RayConfig, workspace: str | Path) -> None:
+    """Refuse a local workspace path on a multi-node Ray cluster unless storage is shared.
+
+    Cheap: nothing is contacted when the answer does not depend on the cluster (no address,
+    a remote URI, or `shared_storage`); otherwise one `ray.nodes()` call after `ensure_ray`.
+
+    Raises:
+        StorageError: the workspace is local and the cluster has more than one alive node.
+    """
+    if cfg.address is None or cfg.shared_storage or is_remote_uri(workspace):
+        return
+    ensure_ray(cfg)
+    problem = storage_problem(workspace, alive_nodes(), cfg.shared_storage)
+    if problem is not None:
+        raise StorageError(problem)
 
 
 def ensure_ray(cfg: RayConfig) -> None:
