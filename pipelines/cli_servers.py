@@ -12,12 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import SecretStr, ValidationError
 from rich.console import Console
 from rich.markup import escape
 
-from pipelines.config import ConfigError, _apply_override
+from pipelines.config import ConfigError, _apply_override, read_recipe
 from pipelines.servers import (
     ServersConfig,
     ServersError,
@@ -79,16 +78,7 @@ def servers_from_recipe(
     Raises:
         ConfigError: unreadable YAML, another override, or an invalid key or value.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {path} does not exist") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    data: dict[str, Any] = read_recipe(path) if path is not None else {}
     data = {"workspace": data.get("workspace", "workspace"), "servers": data.get("servers") or {}}
     for override in overrides:
         if not override.startswith(("servers.", "workspace=")):

@@ -151,6 +151,21 @@ def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -
         ConfigError: unreadable YAML, a malformed override, or any invalid key or value.
     """
     path = Path(path)
+    data = read_recipe(path)
+    for override in overrides:
+        _apply_override(data, override)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, str(path))) from None
+
+
+def read_recipe(path: Path) -> dict[str, Any]:
+    """Read a YAML recipe into a mapping of sections, unvalidated.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or its top level is not a mapping.
+    """
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError as exc:
@@ -159,12 +174,7 @@ def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    for override in overrides:
-        _apply_override(data, override)
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, str(path))) from None
+    return data
 
 
 def _apply_override(data: dict[str, Any], override: str) -> None:

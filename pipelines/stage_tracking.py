@@ -25,10 +25,9 @@ def track_stage_task(result: dict[str, Any], cfg: RunConfig) -> str | None:
 
     The params are the stage's config section; the metrics and the files logged as artifacts
     are those the manifest lists (`metrics`, `artifacts`). A reused output (a cache hit) gets
-    a run too, tagged `lmpipe.reused=true`, with its manifest but without re-uploading the
-    artifacts its first run holds. Nothing in the output directory is rewritten when it is
-    reused, so every file keeps its modification time. Returns the MLflow run id (None when
-    tracking is off).
+    a complete run too, tagged `lmpipe.reused=true`, so the newest run of a stage always holds
+    its files. Nothing in the output directory is rewritten when it is reused, so every file
+    keeps its modification time. Returns the MLflow run id (None when tracking is off).
     """
     out = Path(result["path"])
     stage = result["stage"]
@@ -53,9 +52,8 @@ def track_stage_task(result: dict[str, Any], cfg: RunConfig) -> str | None:
             with atomic_writer(config_file, "w") as handle:
                 handle.write(yaml.safe_dump(config, sort_keys=False))
         tracker.log_artifact(config_file, "config")
-        if not result["reused"]:
-            for name in manifest.get("artifacts", []):
-                tracker.log_artifact(out / name, stage)
+        for name in manifest.get("artifacts", []):
+            tracker.log_artifact(out / name, stage)
         get_run_logger().info("MLflow run %s", tracker.run_id)
         return tracker.run_id
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from serving import wait_for_deployment
 
 from pipelines.servers import ServersConfig, ServerState, start_servers, stop_servers
 
@@ -166,21 +167,6 @@ def _stop_group(process: subprocess.Popen[bytes]) -> None:
 
 def _serve_log(tmp_path: Path) -> str:
     return (tmp_path / "serve.log").read_text(errors="replace")[-4000:]
-
-
-def _wait_for_deployment(name: str, process: subprocess.Popen[bytes], tmp_path: Path) -> Any:
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    deadline = time.monotonic() + 120
-    with get_client(sync_client=True) as client:
-        while time.monotonic() < deadline:
-            assert process.poll() is None, f"lmpipe serve exited:\n{_serve_log(tmp_path)}"
-            try:
-                return client.read_deployment_by_name(name)
-            except ObjectNotFound:
-                time.sleep(0.5)
-    raise AssertionError(f"{name} was never deployed:\n{_serve_log(tmp_path)}")
 
 
 def _wait_for_finished_run(flow_run_id: Any, tmp_path: Path) -> Any:
@@ -366,7 +352,7 @@ def test_prefect_and_mlflow_uis_show_the_deployment_its_run_and_the_registered_m
         # Registering while `lmpipe serve` starts up overlaps the two slowest waits.
         version = _register_model(tiny_base_models["bert"], tmp_path, mlflow.api_url)
         with temporary_settings(updates={PREFECT_API_URL: prefect.api_url}):
-            deployment = _wait_for_deployment(f"ingest/{RECIPE}", process, tmp_path)
+            deployment = wait_for_deployment(f"ingest/{RECIPE}", process, tmp_path / "serve.log")
             triggered = run_deployment(f"ingest/{RECIPE}", timeout=0)  # 0: return at once
             assert isinstance(triggered, FlowRun)  # the sync variant, outside an event loop
             _check_mlflow_pages(browser, mlflow, version)  # while the flow runs

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 from pydantic import ValidationError
+from serving import wait_for_deployment
 
 from pipelines.config import RunConfig, load_config
 from pipelines.deployments import build_deployments, ensure_failure_automation, recipe_parameters
@@ -213,21 +214,6 @@ def test_failure_automation_notifies_once_per_failed_lmpipe_run(
         ensure_failure_automation("custom-webhook/missing")
 
 
-def _wait_for_deployment(name: str, process: subprocess.Popen[bytes], log: Path) -> Any:
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    deadline = time.monotonic() + 120
-    with get_client(sync_client=True) as client:
-        while time.monotonic() < deadline:
-            assert process.poll() is None, f"lmpipe serve exited:\n{log.read_text()[-3000:]}"
-            try:
-                return client.read_deployment_by_name(name)
-            except ObjectNotFound:
-                time.sleep(0.5)
-    raise AssertionError(f"{name} never registered:\n{log.read_text()[-3000:]}")
-
-
 @pytest.mark.slow
 @pytest.mark.integration
 def test_lmpipe_serve_runs_a_triggered_deployment_and_leaves_it_scheduled(
@@ -265,7 +251,7 @@ def test_lmpipe_serve_runs_a_triggered_deployment_and_leaves_it_scheduled(
             start_new_session=True,  # its own process group: we stop exactly it
         )
     try:
-        deployment = _wait_for_deployment("ingest/served", process, log)
+        deployment = wait_for_deployment("ingest/served", process, log)
         run = run_deployment("ingest/served", timeout=240, poll_interval=1)
         assert run.state is not None
         assert run.state.is_completed(), f"{run.state}:\n{log.read_text()[-3000:]}"
