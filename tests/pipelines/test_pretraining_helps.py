@@ -2,7 +2,7 @@
 
 The real path a user takes: `lmpipe compare` on the synthetic demo corpus runs ingest →
 tokenizer → encode → examples → pretraining (Ray Train, DeepSpeed), then fine-tunes the same
-BERT architecture from the pretrained export and from random initialisation, 2 seeds each, on
+BERT architecture from the pretrained export and from random initialisation, 3 seeds each, on
 the residence task ("Where does Tavor live?" → one of 12 cities). The people of the test split
 never occur in the fine-tuning train split (at most 500 examples), so only facts learnt from the
 corpus can answer for them. The recipe is `configs/demo.yaml` itself
@@ -49,14 +49,11 @@ def test_pretrained_bert_beats_random_init_and_chance_on_facts_only_the_corpus_h
     assert [e.name() for e in cfg.compare.entries] == ["pretrained", "random"]
     assert cfg.compare.seeds == [0, 1, 2]
     assert cfg.compare.metric == "accuracy"
-    # Two of the recipe's three seeds: the third costs two more fine-tunes (about a minute) of a
-    # suite near its 30-minute budget; docs/benchmarks.md has all three.
-    cfg = cfg.model_copy(update={"compare": cfg.compare.model_copy(update={"seeds": [0, 1]})})
     out = compare_flow(cfg)
     assert out["downstream"]["splits"]["train"]["rows"] <= 500
     rows = {row["strategy"]: row for row in out["compare"]["rows"]}
     pretrained, random = rows["pretrained"], rows["random"]
-    assert len(pretrained["values"]) == len(random["values"]) == 2
-    # Averaged over the seeds: 5 points over random initialisation, 15 over chance.
+    assert len(pretrained["values"]) == len(random["values"]) == 3
+    # Averaged over 3 seeds: 5 points over random initialisation, 15 over chance.
     assert pretrained["mean"] - random["mean"] >= 0.05, rows
     assert pretrained["mean"] - CHANCE >= 0.15, rows
