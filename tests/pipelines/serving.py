@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -26,3 +28,14 @@ def wait_for_deployment(name: str, process: subprocess.Popen[bytes], log: Path) 
             except ObjectNotFound:
                 time.sleep(0.5)
     raise AssertionError(f"{name} never registered:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group the test started (`start_new_session`); SIGKILL if it lingers."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from serving import wait_for_deployment
+from serving import stop_group, wait_for_deployment
 
 from pipelines.servers import ServersConfig, ServerState, start_servers, stop_servers
 
@@ -152,17 +151,6 @@ def _serve(tmp_path: Path, overrides: list[str], prefect_api: str) -> subprocess
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-
-
-def _stop_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group this test started; SIGKILL it if it lingers."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def _serve_log(tmp_path: Path) -> str:
@@ -360,7 +348,7 @@ def test_prefect_and_mlflow_uis_show_the_deployment_its_run_and_the_registered_m
         assert run.state.is_completed(), f"{run.state}:\n{_serve_log(tmp_path)}"
         _check_prefect_pages(browser, prefect, deployment, run)
     finally:
-        _stop_group(process)
+        stop_group(process)
     assert sorted(p.name for p in ARTIFACTS.iterdir()) == sorted(
         f"{page}.png"
         for page in (

@@ -1,7 +1,6 @@
 """Deployments: built from a recipe, registered with schedules and a validated schema, served."""
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from pydantic import ValidationError
-from serving import wait_for_deployment
+from serving import stop_group, wait_for_deployment
 
 from pipelines.config import RunConfig, load_config
 from pipelines.deployments import build_deployments, ensure_failure_automation, recipe_parameters
@@ -257,12 +256,7 @@ def test_lmpipe_serve_runs_a_triggered_deployment_and_leaves_it_scheduled(
         assert run.state.is_completed(), f"{run.state}:\n{log.read_text()[-3000:]}"
         assert list((tmp_path / "ws" / "ingest").glob("*/manifest.json"))
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_group(process)
     with get_client(sync_client=True) as client:
         after = client.read_deployment_by_name("encode/served")
         assert not after.paused  # pause_on_shutdown is off: the nightly schedule stays on
