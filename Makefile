@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION := false
 export RAY_AUTH_MODE := token
 
-.PHONY: setup demo test test-fast test-gpu lint fmt typecheck check bench clean
+.PHONY: setup demo test test-fast test-gpu test-reliability audit lint fmt typecheck check bench clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,24 @@ test-fast: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(BIN)/pytest -m gpu
+
+# The reliability suite at its full trial counts (20 training-chaos trials, every kill-during-save
+# point, the 12-case resume matrix, 10 data-chaos trials per stage, 500 examples per bad-input
+# property); figures go to test-artifacts/reliability/*.json, from which docs/reliability.md is
+# written. `make test` runs the same tests at their quick counts.
+test-reliability: $(STAMP)
+	LMPIPE_RELIABILITY=full $(BIN)/pytest tests/reliability -m reliability --timeout 3600
+
+# Known vulnerabilities of the installed stack (needs pypi.org's JSON API or osv.dev); the
+# report goes to test-artifacts/pip-audit.json. The project itself (editable) is skipped.
+audit: $(STAMP)
+	@mkdir -p test-artifacts
+	$(BIN)/pip-audit --local --skip-editable --progress-spinner off --desc on \
+	  -f json -o test-artifacts/pip-audit.json
+	@$(BIN)/python -c "import json; d = json.load(open('test-artifacts/pip-audit.json'))['dependencies']; \
+	  s = [x for x in d if 'skip_reason' in x]; v = [x for x in d if x.get('vulns')]; \
+	  print(f'{len(d)} packages: {len(v)} with known vulnerabilities, {len(s)} not audited'); \
+	  raise SystemExit(1 if v or s else 0)"
 
 check: test
 

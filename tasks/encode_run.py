@@ -9,7 +9,6 @@ interrupted run resumes with the shards it had not finished.
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,8 @@ from tasks.stage import (
     open_staging,
     read_upstream,
     shards_of,
+    sweep_leftovers,
+    verify_shards,
 )
 from tasks.tokenizer import unknown_id
 
@@ -75,7 +76,9 @@ def run_encode(
     out = workspace / STAGE / fp
     done = complete_sharded(out)
     if done is not None:
+        sweep_leftovers(out)
         return StageResult(out, done, reused=True)
+    verify_shards(ingest_dir, [s for _, s in shards_of(ingest)], "ingest")
     staging = open_staging(out)
     tok_file = tokenizer_dir / "tokenizer.json"
     tok = Tokenizer.from_file(str(tok_file))
@@ -138,7 +141,7 @@ def run_encode(
         "metrics": summary_metrics(total) | {"elapsed_s": round(time.monotonic() - started, 3)},
     }
     write_json_atomic(out / "manifest.json", manifest)
-    shutil.rmtree(staging, ignore_errors=True)
+    sweep_leftovers(out)
     return StageResult(out, manifest, reused=False)
 
 

@@ -9,7 +9,6 @@ shard's counts while a run is in progress, so a rerun skips finished shards.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -51,6 +50,9 @@ from tasks.stage import (
     manifest_header,
     open_staging,
     read_upstream,
+    shards_of,
+    sweep_leftovers,
+    verify_shards,
 )
 from tasks.tokenizer import TokenizerConfig, roles
 
@@ -187,7 +189,10 @@ def run_examples(
     out = workspace / STAGE / fp
     done = complete_sharded(out)
     if done is not None:
+        sweep_leftovers(out)
         return StageResult(out, done, reused=True)
+    used = [s for split in SPLITS for _, s in shards_of(encode, split)]
+    verify_shards(encode_dir, used, "encode")
     staging = open_staging(out)
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     vocab = [tok.id_to_token(i) or "" for i in range(tok.get_vocab_size(with_added_tokens=True))]
@@ -256,7 +261,7 @@ def run_examples(
         },
     }
     write_json_atomic(out / "manifest.json", manifest)
-    shutil.rmtree(staging, ignore_errors=True)
+    sweep_leftovers(out)
     return StageResult(out, manifest, reused=False)
 
 

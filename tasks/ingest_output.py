@@ -131,11 +131,7 @@ def shard_jobs(
 ) -> tuple[list[ShardJob], list[tuple[str, str]]]:
     """Cut the kept documents, in key order, into shards of about `shard_size_mb` per split."""
     target = cfg.shard_size_mb * (1 << 20)
-    line_base: list[int] = []
-    seen: Counter[str] = Counter()
-    for unit, summary in zip(units, summaries, strict=True):
-        line_base.append(seen[unit.file.uri])
-        seen[unit.file.uri] += summary["newlines"]
+    line_base = line_bases(units, summaries)
     starts = np.concatenate([[0], np.cumsum(keys.sizes)]).astype(np.int64)
     text_bytes = keys.text_bytes
     jobs: list[ShardJob] = []
@@ -206,10 +202,28 @@ def link_file(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+def line_bases(units: list[WorkUnit], summaries: list[dict[str, Any]]) -> list[int]:
+    """Per unit, how many lines of its file come before it (a unit counts its lines from 1)."""
+    bases: list[int] = []
+    seen: Counter[str] = Counter()
+    for unit, summary in zip(units, summaries, strict=True):
+        bases.append(seen[unit.file.uri])
+        seen[unit.file.uri] += summary["newlines"]
+    return bases
+
+
 def write_quarantine(
-    out: Path, units: list[WorkUnit], base: dict[str, Any] | None
+    out: Path,
+    units: list[WorkUnit],
+    summaries: list[dict[str, Any]],
+    base: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """Merge per-unit quarantine records, in unit order, into `quarantine.jsonl`."""
+    """Merge per-unit quarantine records, in unit order, into `quarantine.jsonl`.
+
+    Line numbers become the file's (a unit numbers its lines from its own start), so each
+    record names the file and line a person opens.
+    """
+    line_base = line_bases(units, summaries)
     rows = 0
     with atomic_writer(out / "quarantine.jsonl", "w") as handle:
         if base:
@@ -221,6 +235,8 @@ def write_quarantine(
             table = read_ipc_stream(out / "_staging" / f"unit-{unit.index:06d}.bad.arrow")
             for record in table.to_pylist():
                 record[schema.EXCERPT] = record[schema.EXCERPT].decode("utf-8", "backslashreplace")
+                if record[schema.LINE] is not None:
+                    record[schema.LINE] += line_base[unit.index]
                 handle.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
                 rows += 1
     path = out / "quarantine.jsonl"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,7 +51,7 @@ from tasks.progress import make_reporter, ticker
 from tasks.ray_runtime import RayConfig, ensure_ray, map_bounded
 from tasks.readers import plan_units
 from tasks.sources import InputFile, WorkUnit, expand_source
-from tasks.stage import StageResult, files_complete
+from tasks.stage import StageResult, files_complete, sweep_leftovers
 from tasks.text import resolve_splitter
 
 log = logging.getLogger(__name__)
@@ -125,6 +124,7 @@ def run_ingest(
     if (out / "manifest.json").exists():
         manifest = json.loads((out / "manifest.json").read_text())
         if _complete(out, manifest):
+            sweep_leftovers(out)
             return StageResult(out, manifest, reused=True)
     base = _previous(workspace, cfg, config, source_hash, inputs) if cfg.incremental else None
     done_uris = {i["uri"] for i in base["inputs"]} if base else set()
@@ -157,7 +157,7 @@ def run_ingest(
     }
     manifest["metrics"] = ingest_metrics(manifest)
     write_json_atomic(out / "manifest.json", manifest)
-    shutil.rmtree(staging, ignore_errors=True)
+    sweep_leftovers(out)
     return StageResult(out, manifest, reused=False)
 
 
@@ -229,7 +229,7 @@ def _finish(
         "generation": generation,
         "extends": base["fingerprint"] if base else None,
         "splits": split_entries(out, base, names, written),
-        "quarantine": write_quarantine(out, units, base),
+        "quarantine": write_quarantine(out, units, summaries, base),
         "dedup_index": write_dedup_index(out, keys, dedup.keep, prior),
         "counts": reconcile_counts(summaries, base, dedup),
         "sources": mixture(cfg, units, dedup.keep, keys.sizes, base),

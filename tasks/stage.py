@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,10 +113,28 @@ def commit_dir(tmp: Path, out: Path) -> None:
 def remove_stale_temps(out: Path) -> None:
     """Delete the temp directories and files that killed runs of `out` left beside it."""
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
+        _remove(stale)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def sweep_leftovers(out: Path) -> None:
+    """Delete what interrupted work left inside a finished output: `_staging/` and temp files.
+
+    A finished output (its manifest written) can still hold them: its run was killed after the
+    manifest but before this sweep, or a Ray worker was killed mid-write and its task retried
+    on another worker, which leaves the dead worker's temp file beside the shard the retry
+    wrote (issue 8, tests/reliability/test_data_chaos.py). So a stage sweeps once its manifest
+    is written, and again whenever it reuses the output.
+    """
+    shutil.rmtree(out / "_staging", ignore_errors=True)
+    for stale in out.glob(".*.tmp-*"):
+        _remove(stale)
 
 
 def manifest_header(
@@ -148,3 +167,37 @@ def open_staging(out: Path) -> Path:
     for stale in [*out.glob(".*.tmp-*"), *staging.glob(".*.tmp-*")]:
         stale.unlink(missing_ok=True)  # never read as outputs
     return staging
+
+
+def verify_shards(root: Path, entries: list[dict[str, Any]], stage: str) -> None:
+    """Check every listed shard of an upstream `stage` output against its manifest entry.
+
+    A stage reads its input shards only after this: a flipped byte would otherwise flow into
+    tokens or examples without a trace. The hashes run on a thread per core (hashlib releases
+    the GIL), one read of the input, small next to the work the stage then does with it.
+
+    Raises:
+        StageInputError: a shard is missing, has another size, or another sha256 than
+            `<root>/manifest.json` records; the message names the file and how to rebuild it.
+    """
+
+    def problem(entry: dict[str, Any]) -> str | None:
+        path = safe_join(root, entry["name"], what=f"{stage} shard")
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size != entry["bytes"]:
+            return f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']}"
+        if sha256_file(path) != entry["sha256"]:
+            return (
+                f"{path}: sha256 differs from the manifest (the file changed after it was written)"
+            )
+        return None
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        found = [p for p in pool.map(problem, entries) if p is not None]
+    if found:
+        raise StageInputError(
+            f"corrupt {stage} output {root}: {'; '.join(found[:3])}"
+            + (f" (and {len(found) - 3} more)" if len(found) > 3 else "")
+            + f". Delete {root} and rerun the {stage} stage to rebuild it."
+        )

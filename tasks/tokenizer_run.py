@@ -39,6 +39,7 @@ from tasks.stage import (
     remove_stale_temps,
     shards_of,
     temp_dir_beside,
+    verify_shards,
 )
 from tasks.tokenizer import (
     TokenizerConfig,
@@ -118,6 +119,7 @@ def run_tokenizer(cfg: TokenizerConfig, ingest_dir: Path, workspace: Path) -> St
     if cfg.pretrained is not None:
         tok = load_tokenizer_files(cfg.pretrained, cfg)
     else:
+        verify_shards(ingest_dir, [s for _, s in shards_of(ingest, TRAIN_SPLIT)], "ingest")
         tok = train_tokenizer(
             training_texts(ingest_dir, ingest, cfg.sample_documents, counter), cfg
         )

@@ -152,3 +152,67 @@ def tiny_base_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
         model.save_pretrained(dirs[family])
         tok.save_pretrained(dirs[family])
     return dirs
+
+
+# The demo corpus cut into each objective's examples, once per session (pretraining and
+# reliability tests).
+_DEMO_TOKENIZER = {
+    "bert": "wordpiece",
+    "causal": "bpe",
+    "span_corruption": "unigram",
+    "roberta": "bpe",
+}
+_DEMO_BUILT: dict[tuple[str, str], dict[str, Path]] = {}
+
+
+class DemoData:
+    """Builds (once per session) the demo corpus's examples for an objective."""
+
+    def __init__(self, root: Path) -> None:
+        from tasks.ingest import IngestConfig
+        from tasks.ingest_run import run_ingest
+        from tasks.ray_runtime import RayConfig
+        from tasks.synthetic import SyntheticConfig, write_corpus
+
+        self.root = root
+        self.ray = RayConfig(num_workers=2, num_cpus=4)
+        corpus = root / "corpus"
+        write_corpus(corpus, SyntheticConfig(seed=0, documents=1500))
+        self.ingest = run_ingest(
+            IngestConfig.model_validate(
+                {
+                    "sources": [{"path": str(corpus / "corpus"), "format": "jsonl"}],
+                    "split": {"validation": 0.05, "test": 0.05},
+                }
+            ),
+            self.ray,
+            root / "ws",
+        ).path
+
+    def examples(self, objective: str, **overrides: Any) -> dict[str, Path]:
+        key = (objective, repr(sorted(overrides.items())))
+        if key not in _DEMO_BUILT:
+            from tasks.encode import EncodeConfig
+            from tasks.encode_run import run_encode
+            from tasks.examples import ExamplesConfig
+            from tasks.examples_run import run_examples
+            from tasks.tokenizer import TokenizerConfig
+            from tasks.tokenizer_run import run_tokenizer
+
+            family = _DEMO_TOKENIZER[objective]
+            tok_cfg = TokenizerConfig(family=family, vocab_size=1024, model_max_length=512)
+            ws = self.root / "ws"
+            tokenizer = run_tokenizer(tok_cfg, self.ingest, ws).path
+            encode = run_encode(EncodeConfig(), self.ray, self.ingest, tokenizer, ws).path
+            cfg = ExamplesConfig.model_validate(
+                {"objective": objective, "max_seq_length": 64, "block_size": 64, **overrides}
+            )
+            out = run_examples(cfg, 0, self.ray, encode, tokenizer, ws).path
+            _DEMO_BUILT[key] = {"examples": out, "tokenizer": tokenizer, "encode": encode}
+        return _DEMO_BUILT[key]
+
+
+@pytest.fixture(scope="session")
+def demo_data(ray_session: str, tmp_path_factory: pytest.TempPathFactory) -> DemoData:
+    """The synthetic demo corpus, ingested; `.examples(objective)` cuts examples on demand."""
+    return DemoData(tmp_path_factory.mktemp("pretrain-data"))

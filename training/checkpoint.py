@@ -15,6 +15,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tasks.io import sha256_file, write_json_atomic
+from tasks.io import UnsafePathError, safe_join, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 META = "meta.json"
+LATEST = "latest"  # in the run directory: the name of the newest committed checkpoint
 TAG = "ds"  # DeepSpeed's tag: the sub-directory holding its shards
 _NAME = re.compile(r"checkpoint_step-(\d{9})")
 FORMAT_VERSION = 1
@@ -67,6 +69,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_latest(run_dir: Path, ckpt: Path) -> None:
+    """Point `<run_dir>/latest` at `ckpt` (atomically), after its `meta.json` is written.
+
+    The pointer is for people and tools (`lmpipe export <run dir>`); resume never trusts it
+    alone: a kill between the commit and the pointer's move leaves a newer complete checkpoint
+    than the pointer names, and `find_resumable` picks that one.
+    """
+    tmp = run_dir / f".{LATEST}.tmp"
+    tmp.write_text(ckpt.name + "\n")
+    os.replace(tmp, run_dir / LATEST)
+    _fsync_dir(run_dir)
+
+
+def read_latest(run_dir: Path) -> Path | None:
+    """The checkpoint `<run_dir>/latest` names, if the pointer exists."""
+    path = run_dir / LATEST
+    if not path.is_file():
+        return None
+    name = path.read_text().strip()
+    return run_dir / name if _NAME.fullmatch(name) else None
+
+
 def validate(ckpt: Path, config_hash: str | None = None) -> dict[str, Any]:
     """The checkpoint's meta after checking it lists, and matches, every file it needs.
 
@@ -85,7 +109,10 @@ def validate(ckpt: Path, config_hash: str | None = None) -> dict[str, Any]:
     if not listed:
         raise CheckpointError(f"{path}: lists no files")
     for name, digest in listed.items():
-        file = ckpt / name
+        try:  # a name in meta.json must not lead out of the checkpoint, not even to be hashed
+            file = safe_join(ckpt, name, what="checkpoint file")
+        except UnsafePathError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
         if not file.is_file():
             raise CheckpointError(f"{ckpt}: {name} is listed in {META} but missing")
         if sha256_file(file) != digest:
@@ -142,6 +169,10 @@ def find_resumable(
             else:
                 log.warning("skipping checkpoint at step %d: %s", step, exc)
             continue
+        pointer = read_latest(run_dir)
+        if pointer is not None and pointer.name != path.name:
+            # A kill between the commit (meta.json) and the pointer's move, or a corrupt newer one.
+            log.info("resuming from %s; the latest pointer names %s", path.name, pointer.name)
         return Resumable(path, meta)
     return None
 
@@ -152,9 +183,13 @@ def _step_of(path: Path) -> int:
 
 
 def remove_incomplete(run_dir: Path, keep: Path | None) -> list[Path]:
-    """Delete checkpoint directories without a valid `meta.json` (a dead attempt's partial saves).
+    """Clear away checkpoint directories that fail validation; return the ones cleared.
 
-    Call it only when no rank is saving: at the start of an attempt, before training resumes.
+    A directory without `meta.json` is a dead attempt's partial save (or a half-done purge) and
+    is deleted. One whose `meta.json` no longer matches its files was complete once and has been
+    damaged since (a flipped byte, a truncated or deleted file): it is never loaded, but kept for
+    inspection under `<run_dir>/corrupt/`, with a warning. Call it only when no rank is saving:
+    at the start of an attempt, before training resumes.
     """
     removed = []
     for _, path in checkpoint_dirs(run_dir):
@@ -163,25 +198,92 @@ def remove_incomplete(run_dir: Path, keep: Path | None) -> list[Path]:
         try:
             validate(path)
         except CheckpointError as exc:
-            log.warning("removing incomplete checkpoint %s: %s", path.name, exc)
-            shutil.rmtree(path, ignore_errors=True)
+            if (path / META).is_file():
+                moved = _quarantine(run_dir, path)
+                log.warning("corrupt checkpoint %s moved to %s: %s", path.name, moved, exc)
+            else:
+                log.warning("removing incomplete checkpoint %s: %s", path.name, exc)
+                shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 
 
-def prune(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints; return what was deleted."""
+def _quarantine(run_dir: Path, path: Path) -> Path:
+    # Out of the checkpoint_step-* namespace, so nothing lists, resumes from or prunes it.
+    target = run_dir / "corrupt" / path.name
+    n = 1
+    while target.exists():
+        target = run_dir / "corrupt" / f"{path.name}.{n}"
+        n += 1
+    target.parent.mkdir(exist_ok=True)
+    os.replace(path, target)
+    return target
+
+
+def prune(
+    run_dir: Path, keep_last: int, on_uncommitted: Callable[[Path], None] | None = None
+) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints; return what was deleted.
+
+    Each one is un-committed first (its `meta.json` removed, and the removal made durable), so
+    a purge killed half-way leaves an incomplete directory that resume deletes, never a
+    `meta.json` over missing files. `on_uncommitted` runs at that moment (fault injection).
+    """
     complete = [p for _, p in checkpoint_dirs(run_dir) if (p / META).is_file()]
     for path in complete[keep_last:]:
+        (path / META).unlink(missing_ok=True)
+        _fsync_dir(path)
+        if on_uncommitted is not None:
+            on_uncommitted(path)
         shutil.rmtree(path, ignore_errors=True)
     return complete[keep_last:]
 
 
+def to_universal(ckpt: Path, out: Path) -> Path:
+    """Convert `ckpt`'s ZeRO shards into DeepSpeed's universal format; return the load dir.
+
+    A ZeRO-partitioned optimizer state is cut by the data-parallel world size it was saved at;
+    the universal format holds every parameter's fp32 weights and Adam moments whole, so that
+    a run can resume at another worker count. `out/<TAG>` is rewritten; `out` is returned, to
+    pass to `engine.load_checkpoint(out, tag=TAG)` with `load_universal` on. Call it only on a
+    validated checkpoint: DeepSpeed unpickles the shards.
+    """
+    import argparse
+
+    from deepspeed.checkpoint.ds_to_universal import main as convert
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    convert(
+        argparse.Namespace(
+            input_folder=str(ckpt / TAG),
+            output_folder=str(out / TAG),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,
+        )
+    )
+    return out
+
+
 def rng_state() -> dict[str, Any]:
-    """The RNG states that dropout and any host-side draw depend on, for this process."""
+    """The RNG states that dropout and any host-side draw depend on, for this process.
+
+    Only tensors and plain Python values, so that `load_rng_state` can read it back with
+    `torch.load(weights_only=True)`: nothing in a checkpoint is unpickled as code.
+    """
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "python": random.getstate(),
     }
     if torch.cuda.is_available():
@@ -189,10 +291,18 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def load_rng_state(path: Path) -> dict[str, Any]:
+    """Read a file `rng_state` wrote, with `weights_only=True` (tensors and plain values only)."""
+    state: dict[str, Any] = torch.load(path, weights_only=True)
+    return state
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what `rng_state` captured."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    npy = state["numpy"]
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from tasks import schema
 from training import checkpoint as ckpt
+from training import faults
 from training.config import TrainConfig
 from training.context import RayWorkerContext, WorkerContext
 from training.data import (
@@ -55,6 +58,7 @@ class WorkerJob(BaseModel):
     tracking_uri: str | None = None
     run_id: str | None = None
     stop_at_step: int | None = None  # end this attempt after that step, with a checkpoint
+    fault: faults.FaultPlan | None = None  # the reliability suite's injected SIGKILL
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -155,7 +159,10 @@ class Worker:
         if choice[0] is None:
             return
         path, meta = Path(choice[0][0]), choice[0][1]
-        self.engine.load_checkpoint(str(path), tag=ckpt.TAG)
+        if meta["world_size"] != self.ctx.world_size and self.cfg.zero_stage > 0:
+            self._load_resharded(path, int(meta["world_size"]))
+        else:
+            self.engine.load_checkpoint(str(path), tag=ckpt.TAG)
         self.step = int(meta["step"])
         self.schedule.steps_done = self.step
         self.schedule.refresh()
@@ -164,7 +171,7 @@ class Worker:
         self.guard.load_state(meta["guard"])
         rng = path / ckpt.rng_file(self.ctx.rank)
         if meta["world_size"] == self.ctx.world_size and rng.is_file():
-            ckpt.set_rng_state(torch.load(rng, weights_only=False))
+            ckpt.set_rng_state(ckpt.load_rng_state(rng))
         else:
             log.warning(
                 "resuming %d ranks from %d: fresh dropout RNG",
@@ -172,7 +179,31 @@ class Worker:
                 meta["world_size"],
             )
         log.info("resumed from %s (step %d, epoch %d)", path.name, self.step, self.cursor.epoch)
+        if self.ctx.rank == 0:  # the run's resume history, for operators and the fault tests
+            row = {"checkpoint": path.name, "step": self.step, "world": self.ctx.world_size}
+            with open(self.ctx.run_dir / "resumes.jsonl", "a") as handle:
+                handle.write(json.dumps(row | {"time": time.time()}) + "\n")
         self.telemetry.resumed(self.step)
+
+    def _load_resharded(self, path: Path, saved_world: int) -> None:
+        """Load a ZeRO checkpoint saved at another worker count, through the universal format."""
+        universal = self.ctx.run_dir / "universal" / path.name
+        if self.ctx.rank == 0:
+            log.info(
+                "resharding %s from %d to %d ranks", path.name, saved_world, self.ctx.world_size
+            )
+            ckpt.to_universal(path, universal)
+        _barrier()
+        # DeepSpeed reads the switch at load time; the engine was built before the checkpoint
+        # was chosen, so it is set for this one load only.
+        self.engine._config.load_universal_checkpoint = True
+        try:
+            self.engine.load_checkpoint(str(universal), tag=ckpt.TAG)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+        _barrier()
+        if self.ctx.rank == 0:
+            shutil.rmtree(universal.parent, ignore_errors=True)
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -223,6 +254,7 @@ class Worker:
         self.guard.step_done(skip)
         self.cursor = after
         self.step += 1
+        self._fault("step")
         grad_norm = self.engine.get_global_grad_norm()
         self.tokens_seen += int(self.telemetry.step(self.step, meter, lr, grad_norm, skip))
         if self.cfg.log_sample_ids:
@@ -253,14 +285,26 @@ class Worker:
         client = {"lmpipe_step": self.step}
         self.engine.save_checkpoint(str(path), tag=ckpt.TAG, client_state=client, save_latest=False)
         torch.save(ckpt.rng_state(), path / ckpt.rng_file(self.ctx.rank))
+        self._fault("after_shard")
         reference = self.reference_loss()
         _barrier()
         if self.ctx.rank == 0:
+            self._fault("before_meta")
             ckpt.write_meta(path, self._meta(metrics) | {"reference": reference})
+            self._fault("before_latest")
+            ckpt.write_latest(self.ctx.run_dir, path)
+            self._fault("after_latest")
         _barrier()
         self.ctx.report({"step": self.step, **metrics}, path)
         if self.ctx.rank == 0:
-            ckpt.prune(self.ctx.run_dir, self.cfg.checkpoint.keep_last)
+            ckpt.prune(
+                self.ctx.run_dir,
+                self.cfg.checkpoint.keep_last,
+                on_uncommitted=lambda _: self._fault("during_purge"),
+            )
+
+    def _fault(self, point: faults.FaultPoint) -> None:
+        faults.hit(self.job.fault, point, self.step, self.ctx.rank)
 
     def reference_loss(self) -> dict[str, Any]:
         """The eval-mode loss of the fixed batch an export must reproduce (every rank runs it)."""
@@ -303,7 +347,12 @@ class Worker:
         # Appended per rank; a later attempt's line for a step replaces an earlier one.
         path = self.ctx.run_dir / "samples" / f"rank-{self.ctx.rank:05d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        line = {"step": self.step, "world": self.ctx.world_size, "ids": ids.tolist()}
+        line = {
+            "step": self.step,
+            "world": self.ctx.world_size,
+            "time": time.time(),
+            "ids": ids.tolist(),
+        }
         with open(path, "a") as handle:
             handle.write(json.dumps(line) + "\n")
 

@@ -30,6 +30,7 @@ from training.export import (
     gather_state_dict,
     reload_check,
 )
+from training.faults import FaultPlan
 from training.forward import pretraining_loss
 from training.loop import EVAL_EPOCH
 from training.models import build_model, count_parameters
@@ -161,12 +162,14 @@ def pretrain_stage(
     *,
     resume: bool = False,
     stop_at_step: int | None = None,
+    fault: FaultPlan | None = None,
 ) -> dict[str, Any]:
     """Train (or reuse a finished run), export, check the export and register it.
 
     Returns a summary: run directory, checkpoint, export directory, MLflow run id, registered
     model version, final metrics. A stopped run (`stop_at_step`) is neither exported nor
-    registered; resume it with `resume=True`.
+    registered; resume it with `resume=True`. `fault` injects one SIGKILL of a worker
+    (training/faults.py; the reliability suite's).
     """
     run_id = run_id_for(cfg, seed, examples_dir, tokenizer_dir)
     record_file = storage_root(cfg, workspace) / f"{run_id}.run.json"
@@ -194,6 +197,7 @@ def pretrain_stage(
             mlflow_run_id=mlflow_run,
             resume=resume,
             stop_at_step=stop_at_step,
+            fault=fault,
         )
         summary = _summary(run) | {"mlflow_run_id": mlflow_run}
         if run.finished:

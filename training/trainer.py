@@ -20,6 +20,7 @@ from tasks.ray_runtime import RayConfig, ensure_ray
 from training import checkpoint as ckpt
 from training.config import ScaleConfig, TrainConfig
 from training.data import read_manifest
+from training.faults import FaultPlan
 from training.loop import WorkerJob, train_loop_per_worker
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ def run_id_for(cfg: TrainConfig, seed: int, examples_dir: Path, tokenizer_dir: P
         "examples": read_manifest(examples_dir)["fingerprint"],
         "tokenizer": json.loads((tokenizer_dir / "manifest.json").read_text())["fingerprint"],
     }
-    # Where checkpoints go and how often we log do not change what is trained.
-    train = cfg.model_dump(mode="json", exclude={"checkpoint", "log_every_steps", "eval"})
+    # Where checkpoints go, how often we log and how many workers share the global batch do not
+    # change what is trained: a run resumes at another worker count (docs/pretraining.md).
+    train = cfg.model_dump(mode="json", exclude={"checkpoint", "log_every_steps", "eval", "scale"})
     code = source_hash("tasks", "training")
     return fingerprint({"inputs": inputs, "train": train, "seed": seed, "code": code})
 
@@ -69,6 +71,7 @@ def run_training(
     mlflow_run_id: str | None,
     resume: bool = False,
     stop_at_step: int | None = None,
+    fault: FaultPlan | None = None,
 ) -> TrainingRun:
     """Train on Ray Train with DeepSpeed until `max_steps` (or `stop_at_step`).
 
@@ -100,6 +103,7 @@ def run_training(
         tracking_uri=tracking_uri,
         run_id=mlflow_run_id,
         stop_at_step=stop_at_step,
+        fault=fault,
     )
     _fit(job, root, run_id, ray_cfg)
     last = ckpt.find_resumable(run_dir, None, run_id)
@@ -154,6 +158,14 @@ def fit_on_ray(
             failure_config=FailureConfig(max_failures=scale.max_failures),
         ),
     )
-    result = trainer.fit()
+    import ray.train
+
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as exc:
+        raise RuntimeError(
+            f"training failed after {scale.max_failures} restart(s) (train.scale.max_failures) "
+            f"in {run_dir}: {exc}"
+        ) from exc
     if result.error is not None:
         raise RuntimeError(f"training failed: {result.error}") from result.error

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -208,62 +204,6 @@ def test_exported_generators_answer_generate_from_the_registry(
         assert out.shape[0] == 1
         assert out.shape[1] > (0 if objective != "causal" else 3)
         assert isinstance(tok.decode(out[0], skip_special_tokens=True), str)
-
-
-def _consumed(run_dir: Path) -> dict[int, list[int]]:
-    """Per step, the sample ids all ranks consumed; a later run of a step replaces an earlier."""
-    per_rank: dict[tuple[int, int], list[int]] = {}
-    for path in sorted((run_dir / "samples").glob("rank-*.jsonl")):
-        rank = int(path.stem.split("-")[1])
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            per_rank[(row["step"], rank)] = row["ids"]
-    steps: dict[int, list[int]] = {}
-    for (step, _), ids in sorted(per_rank.items()):
-        steps.setdefault(step, []).extend(ids)
-    return steps
-
-
-def test_sigkilled_worker_resumes_with_no_sample_lost_or_repeated(
-    demo_data: Any, tmp_root: Path
-) -> None:
-    data = demo_data.examples("bert")
-    extra = {
-        "max_steps": 12,
-        "checkpoint.every_steps": 3,
-        "eval.every_steps": 12,
-        "log_sample_ids": True,
-    }
-    ray_cfg = RayConfig(num_workers=2, num_cpus=4)
-    args = (0, data["examples"], data["tokenizer"], tmp_root / "ws", ray_cfg)
-    off = TrackingConfig(enabled=False)
-    clean = pretrain_stage(train_config("bert", tmp_root / "kill-clean", **extra), *args, off, "c")
-    cfg = train_config("bert", tmp_root / "kill", **extra)
-    from training.trainer import run_id_for
-
-    run_dir = tmp_root / "kill" / run_id_for(cfg, 0, data["examples"], data["tokenizer"])
-    killed: list[int] = []
-
-    def kill_rank1_mid_run() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if len(step_history(run_dir / "steps.jsonl")) >= 5:
-                pid = int((run_dir / "pids" / "rank-00001.pid").read_text())
-                os.kill(pid, signal.SIGKILL)  # an external kill, not an exception inside
-                killed.append(pid)
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_rank1_mid_run, daemon=True)
-    killer.start()
-    faulty = pretrain_stage(cfg, *args, off, "k")
-    killer.join()
-    assert killed, "the worker was never killed"
-    assert faulty["step"] == clean["step"] == 12
-    assert _consumed(run_dir) == _consumed(Path(clean["run_dir"]))
-    consumed = _consumed(run_dir)
-    assert sorted(consumed) == list(range(1, 13))
-    assert all(len(ids) == len(set(ids)) == 32 for ids in consumed.values())
 
 
 def test_run_stopped_at_step_k_resumes_in_a_new_process_with_identical_losses(

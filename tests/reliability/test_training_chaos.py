@@ -1,0 +1,248 @@
+"""Training under SIGKILL: random worker kills, kills at each phase of a checkpoint save, and
+more faults than `max_failures` allows.
+
+Real Ray Train (2 workers on the session's Ray), real DeepSpeed (ZeRO-2, fp32, CPU). Every
+faulty run is compared with one uninterrupted run of the same config: the committed history of
+consumed sample ids (a replayed step's later line wins) and the final weights must be equal.
+Kills come from `training/faults.py` (the worker SIGKILLs itself at an exact point) or from this
+test (an external SIGKILL of the rank's PID once the run has reached a step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from figures import record, record_row, trials
+
+from tasks.ray_runtime import RayConfig
+from training import checkpoint as ckpt
+from training.config import TrainConfig
+from training.export import gather_state_dict
+from training.faults import SAVE_POINTS, FaultPlan, FaultPoint
+from training.trainer import TrainingRun, run_training
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
+
+MAX_STEPS, EVERY = 12, 3
+SAVE_STEPS = list(range(2 * EVERY, MAX_STEPS, EVERY))  # a previous checkpoint exists before each
+# A purge deletes the checkpoints beyond keep_last=2: the first one happens at the third save.
+PURGE_STEPS = [s for s in SAVE_STEPS if s >= 3 * EVERY]
+
+
+def chaos_config(storage: Path, max_failures: int = 3) -> TrainConfig:
+    return TrainConfig.model_validate(
+        {
+            "model": {"family": "bert", "size": "tiny"},
+            "max_steps": MAX_STEPS,
+            "global_batch_size": 32,
+            "micro_batch_size": 16,
+            "zero_stage": 2,
+            "optim": {"lr": 3e-3, "warmup_steps": 2},
+            "checkpoint": {"every_steps": EVERY, "keep_last": 2, "storage_path": str(storage)},
+            "eval": {"every_steps": MAX_STEPS, "max_samples": 32},
+            "scale": {"num_workers": 2, "max_failures": max_failures},
+            "log_sample_ids": True,
+        }
+    )
+
+
+def train(
+    data: dict[str, Path], storage: Path, fault: FaultPlan | None = None, **kw: Any
+) -> TrainingRun:
+    return run_training(
+        chaos_config(storage, **kw),
+        0,
+        data["examples"],
+        data["tokenizer"],
+        storage / "ws",
+        RayConfig(num_workers=2, num_cpus=4),
+        tracking_uri=None,
+        mlflow_run_id=None,
+        fault=fault,
+    )
+
+
+def history(run_dir: Path) -> dict[str, Any]:
+    """The committed history of the sample logs and what the faults cost."""
+    lines: list[dict[str, Any]] = []
+    for path in sorted((run_dir / "samples").glob("rank-*.jsonl")):
+        rank = int(path.stem.split("-")[1])
+        lines += [json.loads(x) | {"rank": rank} for x in path.read_text().splitlines()]
+    committed: dict[tuple[int, int], list[int]] = {}
+    for line in lines:  # in file order: a replayed step's later line replaces the earlier one
+        committed[(line["step"], line["rank"])] = line["ids"]
+    steps: dict[int, list[int]] = {}
+    for (step, _), ids in sorted(committed.items()):
+        steps.setdefault(step, []).extend(ids)
+    rank0 = [x for x in lines if x["rank"] == 0]
+    return {
+        "steps": steps,
+        "recomputed": len(rank0) - len({x["step"] for x in rank0}),
+        "times": sorted(x["time"] for x in lines),
+    }
+
+
+def resumes(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "resumes.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+@pytest.fixture(scope="module")
+def clean(demo_data: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One uninterrupted run: its committed history and final weights."""
+    data = demo_data.examples("bert")
+    run = train(data, tmp_path_factory.mktemp("chaos-clean"))
+    return {
+        "data": data,
+        "history": history(run.run_dir),
+        "weights": gather_state_dict(run.checkpoint, ckpt.TAG),
+    }
+
+
+def check_against_clean(
+    run: TrainingRun, clean: dict[str, Any], killed_at: float
+) -> dict[str, Any]:
+    """Assert no sample lost or repeated and equal final weights; return the trial's figures."""
+    assert run.finished
+    assert run.meta["step"] == MAX_STEPS
+    got, want = history(run.run_dir), clean["history"]
+    consumed = [i for ids in got["steps"].values() for i in ids]
+    expected = [i for ids in want["steps"].values() for i in ids]
+    lost = len(set(expected) - set(consumed))
+    repeated = len(consumed) - len(set(consumed)) - (len(expected) - len(set(expected)))
+    assert sorted(got["steps"]) == list(range(1, MAX_STEPS + 1))
+    assert got["steps"] == want["steps"], "the committed sample history differs from the clean run"
+    weights = gather_state_dict(run.checkpoint, ckpt.TAG)
+    assert weights.keys() == clean["weights"].keys()
+    differing = [k for k in weights if not torch.equal(weights[k], clean["weights"][k])]
+    assert not differing, f"final weights differ from the clean run's: {differing[:5]}"
+    after = [t for t in got["times"] if t > killed_at]
+    dirs = ckpt.checkpoint_dirs(run.run_dir)
+    leftovers = [p.name for _, p in dirs if not (p / ckpt.META).exists()]
+    assert not leftovers, f"incomplete checkpoint directories left: {leftovers}"
+    return {
+        "samples_lost": lost,
+        "samples_repeated": repeated,
+        "steps_recomputed": got["recomputed"],
+        "recover_s": round(after[0] - killed_at, 1) if after else None,
+        "weights_equal": True,
+    }
+
+
+class ExternalKiller(threading.Thread):
+    """SIGKILL rank `rank`'s process (its PID file) once rank 0 has logged `step` steps."""
+
+    def __init__(self, run_dir: Path, step: int, rank: int) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.step, self.rank = run_dir, step, rank
+        self.killed_at: float | None = None
+
+    def run(self) -> None:
+        samples = self.run_dir / "samples" / "rank-00000.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if samples.is_file() and len(samples.read_text().splitlines()) >= self.step:
+                pid = int((self.run_dir / "pids" / f"rank-{self.rank:05d}.pid").read_text())
+                self.killed_at = time.time()
+                os.kill(pid, signal.SIGKILL)  # the worker this run started, by its PID
+                return
+            time.sleep(0.02)
+
+
+def chaos_trial(n: int) -> tuple[str, int, int]:
+    """Trial `n`'s fault, from a seeded RNG: (point, step, rank); every other one in a save."""
+    rng = random.Random(1000 + n)
+    rank = rng.randrange(2)
+    if n % 2 == 1:
+        point = rng.choice(SAVE_POINTS)
+        return point, rng.choice(PURGE_STEPS if point == "during_purge" else SAVE_STEPS), rank
+    point = "external" if n % 4 == 0 else "step"
+    return point, rng.randrange(2, MAX_STEPS), rank
+
+
+@pytest.mark.parametrize("n", range(trials(quick=3, full=20)))
+def test_random_worker_kill_loses_and_repeats_no_sample(
+    n: int, clean: dict[str, Any], tmp_path: Path
+) -> None:
+    point, step, rank = chaos_trial(n)
+    if point in ("before_meta", "before_latest", "after_latest", "during_purge"):
+        rank = 0  # only rank 0 reaches these points
+    storage = tmp_path / "run"
+    marker = tmp_path / "fired"
+    started = time.time()
+    if point == "external":
+        from training.trainer import run_id_for
+
+        cfg = chaos_config(storage)
+        data = clean["data"]
+        run_dir = storage / run_id_for(cfg, 0, data["examples"], data["tokenizer"])
+        killer = ExternalKiller(run_dir, step, rank)
+        killer.start()
+        run = train(clean["data"], storage)
+        killer.join()
+        assert killer.killed_at is not None, "the worker was never killed"
+        killed_at = killer.killed_at
+    else:
+        plan = FaultPlan(point=point, step=step, rank=rank, marker=marker)
+        run = train(clean["data"], storage, plan)
+        assert marker.is_file(), "the fault never fired"
+        killed_at = marker.stat().st_mtime
+    # A kill before the first checkpoint restarts from step 0, with nothing to resume from.
+    resumed = resumes(run.run_dir)
+    assert len(resumed) <= 1
+    if point != "external" and step > EVERY:
+        assert resumed, "the run was not restarted from its checkpoint"
+    figures = check_against_clean(run, clean, killed_at)
+    figures |= {"trial": n, "point": point, "step": step, "rank": rank}
+    figures["resumed_from"] = resumed[0]["step"] if resumed else 0
+    figures["wall_s"] = round(time.time() - started, 1)
+    record_row("training_chaos", "trials", figures, ("trial",))
+
+
+def _save_points() -> list[str]:
+    return list(SAVE_POINTS) if trials(0, 1) else ["before_meta", "during_purge"]
+
+
+@pytest.mark.parametrize("point", _save_points())
+def test_kill_during_save_resumes_from_the_newest_complete_checkpoint(
+    point: FaultPoint, clean: dict[str, Any], tmp_path: Path
+) -> None:
+    step = SAVE_STEPS[-1]
+    rank = 1 if point == "after_shard" else 0
+    marker = tmp_path / "fired"
+    plan = FaultPlan(point=point, step=step, rank=rank, marker=marker)
+    run = train(clean["data"], tmp_path / "run", plan)
+    assert marker.is_file(), "the fault never fired"
+    # meta.json is the commit: before it the save at `step` is partial, after it complete.
+    committed = point in ("before_latest", "after_latest", "during_purge")
+    expected = step if committed else step - EVERY
+    [resume] = resumes(run.run_dir)
+    assert resume["checkpoint"] == ckpt.checkpoint_name(expected)
+    assert resume["step"] == expected
+    figures = check_against_clean(run, clean, marker.stat().st_mtime)
+    figures |= {"point": point, "step": step, "rank": rank, "resumed_from": expected}
+    record_row("kill_during_save", "points", figures, ("point",))
+
+
+def test_more_faults_than_max_failures_end_the_run_with_the_error(
+    clean: dict[str, Any], tmp_path: Path
+) -> None:
+    plan = FaultPlan(point="step", step=4, rank=1, marker=tmp_path / "fired")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="training failed") as failure:
+        train(clean["data"], tmp_path / "run", plan, max_failures=0)
+    elapsed = time.monotonic() - started
+    message = str(failure.value)
+    assert "after 0 restart(s)" in message
+    assert "The actor died" in message, message  # Ray's account of the dead worker is shown
+    assert elapsed < 240, f"the failing run took {elapsed:.0f} s to give up"
+    record("over_budget", {"max_failures": 0, "faults": 1, "raised_after_s": round(elapsed, 1)})
