@@ -18,6 +18,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -25,10 +26,11 @@ from pydantic import (
 from pipelines.deployments_config import DeploymentsConfig
 from pipelines.servers import ServersConfig
 from tasks.decontaminate import DecontaminateConfig
-from tasks.downstream_config import DatasetConfig, load_dataset_config
+from tasks.downstream_config import DatasetConfig, load_dataset_config, parse_yaml
 from tasks.encode import EncodeConfig
 from tasks.examples import ExamplesConfig
 from tasks.ingest import IngestConfig
+from tasks.io import redact_url
 from tasks.ray_runtime import RayConfig
 from tasks.tokenizer import TokenizerConfig
 from training.compare import CompareConfig
@@ -125,6 +127,29 @@ class RunConfig(BaseModel):
             raise ValueError(f"{value!r} must be 1-100 letters, digits, '_', '.' or '-'")
         return value
 
+    @field_validator("tracking", "prefect", "ray", "servers")
+    @classmethod
+    def _no_password_in_urls(cls, value: BaseModel, info: ValidationInfo) -> BaseModel:
+        # Plain URL fields are logged, tracked and sent to Prefect as flow parameters; a
+        # password belongs in a SecretStr field (tracking.password, ...) or the environment.
+        for key in _URL_FIELDS[str(info.field_name)]:
+            url = getattr(value, key)
+            if isinstance(url, str) and redact_url(url) != url:
+                raise ValueError(
+                    f"{info.field_name}.{key} has a password inside its URL; remove it and set "
+                    "the credential in its secret field or the environment (never logged)"
+                )
+        return value
+
+
+# Plain-text URL fields of each section, checked for an embedded `user:password@`.
+_URL_FIELDS = {
+    "tracking": ("tracking_uri", "ui_url"),
+    "prefect": ("api_url",),
+    "ray": ("address",),
+    "servers": ("prefect_ui_api_url", "mlflow_s3_endpoint_url", "mlflow_artifacts_destination"),
+}
+
 
 # Keys whose values are never echoed in an error: secrets, and URLs that may embed credentials.
 _SECRET_KEYS = (
@@ -167,9 +192,13 @@ def read_recipe(path: Path) -> dict[str, Any]:
         ConfigError: the file is missing, is not YAML, or its top level is not a mapping.
     """
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = parse_yaml(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError as exc:
         raise ConfigError(f"config file {path} does not exist") from exc
+    except OSError as exc:  # a directory, no permission
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
     if not isinstance(data, dict):
@@ -182,7 +211,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     if not sep or not re.fullmatch(r"[A-Za-z_][\w]*(\.[\w]+)*", key):
         raise ConfigError(f"override {override!r} must look like section.key=value")
     try:
-        value = yaml.safe_load(raw) if raw else ""
+        value = parse_yaml(raw) if raw else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {override!r}: value is not valid YAML: {exc}") from exc
     node: Any = data
@@ -192,8 +221,11 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     last = parts[-1]
     if isinstance(node, list):
         node[_index(node, last, key)] = value
-    else:
+    elif isinstance(node, dict):
         node[last] = value
+    else:  # `name.x=1`: the parent is a value, not a section
+        where = ".".join(parts[:-1])
+        raise ConfigError(f"override key {key!r}: {where!r} is a {type(node).__name__}, no keys")
 
 
 def _child(node: Any, part: str, where: str) -> Any:
@@ -223,5 +255,6 @@ def format_validation_error(exc: ValidationError, origin: str) -> str:
         shown = "<missing>" if error["type"] == "missing" else repr(error.get("input"))
         if any(word in key for word in _SECRET_KEYS):
             shown = "<hidden>"
+        shown = redact_url(shown)  # a URL's password, wherever it appears
         lines.append(f"  {key} = {shown[:120]}: {message}")
     return "\n".join(lines)

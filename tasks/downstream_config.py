@@ -199,6 +199,7 @@ class DatasetConfig(BaseModel):
         _check_sources(self)
         _check_columns(self)
         _check_labels(self)
+        _check_delimiter(self)
         return self
 
     def split_names(self) -> list[str]:
@@ -268,6 +269,8 @@ def _check_columns(cfg: DatasetConfig) -> None:
         cfg.task_type != "token_classification" or set(columns) != {"tokens", "tags"}
     ):
         raise ValueError("format conll reads tokens and tags only (token_classification)")
+    if cfg.format == "conll" and not all(isinstance(v, int) for v in columns.values()):
+        raise ValueError(f"format conll fields are 0-based positions, not names: {columns}")
     positional = [k for k, v in columns.items() if isinstance(v, int) and k != "prompt"]
     if isinstance(cfg.split_column, int):
         positional.append("split_column")
@@ -276,6 +279,19 @@ def _check_columns(cfg: DatasetConfig) -> None:
     named = [k for k, v in cfg.columns.items() if isinstance(v, str)]
     if not cfg.header and cfg.format in (None, "csv", "tsv") and named:
         raise ValueError(f"header: false needs column positions, not names, for {named}")
+
+
+def _check_delimiter(cfg: DatasetConfig) -> None:
+    if cfg.delimiter is None:
+        return
+    if cfg.format == "conll":
+        if not cfg.delimiter:
+            raise ValueError("delimiter must not be empty")
+    elif len(cfg.delimiter) != 1 or cfg.delimiter in '"\r\n':
+        # Python's csv module takes one character, and a quote or line break cannot separate.
+        raise ValueError(
+            f"delimiter {cfg.delimiter!r} must be one character, not a quote or newline"
+        )
 
 
 def _check_labels(cfg: DatasetConfig) -> None:
@@ -291,6 +307,36 @@ class DatasetConfigError(ValueError):
     """A task YAML file is unreadable or invalid; the message names the file and the key."""
 
 
+class _SafeLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` whose failures to build a scalar are YAML errors with their line.
+
+    PyYAML's own constructors raise ValueError (`2001-13-01`, `!!int abc`), AttributeError
+    (`!!timestamp foo`) and the like, which name neither the line nor the value.
+    """
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except yaml.YAMLError:
+            raise
+        except (ValueError, TypeError, AttributeError, OverflowError) as exc:
+            problem = f"cannot read {node.tag} {str(node.value)[:80]!r}: {exc}"
+            raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse YAML like `yaml.safe_load`, but fail only with `yaml.YAMLError`.
+
+    Raises:
+        yaml.YAMLError: invalid YAML, a value that cannot be built (with its line), or nesting
+            too deep to parse.
+    """
+    try:
+        return yaml.load(text, Loader=_SafeLoader)  # safe: a SafeLoader subclass
+    except RecursionError:
+        raise yaml.YAMLError("the document is nested too deeply") from None
+
+
 def load_dataset_config(path: Path | str) -> DatasetConfig:
     """Read one task YAML file (`configs/tasks/*.yaml`) into a `DatasetConfig`.
 
@@ -299,9 +345,13 @@ def load_dataset_config(path: Path | str) -> DatasetConfig:
     """
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = parse_yaml(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise DatasetConfigError(f"{path}: no such task config") from None
+    except OSError as exc:  # a directory, no permission
+        raise DatasetConfigError(f"{path}: cannot read the task config: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise DatasetConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise DatasetConfigError(f"{path}: invalid YAML: {exc}") from None
     try:

@@ -106,8 +106,20 @@ def _open_text(path: Path) -> IO[str]:
 def _decode_guard(path: Path, read: Callable[[], SourceRows]) -> SourceRows:
     try:
         return read()
+    except UnicodeDecodeError:
+        raise DownstreamDataError(f"{path}: {_first_bad_byte(path)}: not UTF-8 text") from None
+
+
+def _first_bad_byte(path: Path) -> str:
+    """Name the line and column of the first byte of `path` that is not UTF-8."""
+    # The decoder's own position counts from the start of a read buffer, not of the file.
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DownstreamDataError(f"{path}: not UTF-8 text ({exc})") from None
+        line, line_start = raw.count(b"\n", 0, exc.start) + 1, raw.rfind(b"\n", 0, exc.start) + 1
+        return f"line {line} column {exc.start - line_start + 1}"
+    return "somewhere"  # unreachable for a file whose text failed to decode
 
 
 def _columns_of(path: Path, header: list[str] | None, wanted: dict[str, Spec]) -> dict[str, int]:
@@ -220,6 +232,10 @@ def read_jsonl(path: Path, wanted: dict[str, Spec]) -> SourceRows:
                     values = {key: MISSING for key in wanted}
                     _append(rows, line, values, f"invalid JSON ({exc.msg}, column {exc.colno})")
                     continue
+                except (ValueError, RecursionError) as exc:  # a 4300+ digit int, deep nesting
+                    values = {key: MISSING for key in wanted}
+                    _append(rows, line, values, f"unreadable JSON ({str(exc)[:80]})")
+                    continue
                 values, problem = _record_values(record, wanted)
                 _append(rows, line, values, problem)
         return rows
@@ -258,6 +274,8 @@ def read_json(path: Path, wanted: dict[str, Spec], opts: ReadOptions) -> SourceR
         except json.JSONDecodeError as exc:
             where = f"line {exc.lineno} column {exc.colno}"
             raise DownstreamDataError(f"{path}: {where}: invalid JSON ({exc.msg})") from None
+        except (ValueError, RecursionError) as exc:  # a 4300+ digit int, deep nesting
+            raise DownstreamDataError(f"{path}: unreadable JSON ({str(exc)[:80]})") from None
         if opts.records_path is None and not isinstance(document, list):
             keys = sorted(document) if isinstance(document, dict) else type(document).__name__
             raise DownstreamDataError(
@@ -284,6 +302,9 @@ def read_conll(path: Path, wanted: dict[str, Spec], opts: ReadOptions) -> Source
     sentence and are not tokens. A sentence's location is the line of its first token.
     """
     rows = SourceRows(str(path), "line", fields={key: [] for key in wanted})
+    named = {key: spec for key, spec in wanted.items() if not isinstance(spec, int)}
+    if named:
+        raise DownstreamDataError(f"{path}: conll fields are 0-based positions, not names {named}")
     positions = {key: int(spec) for key, spec in wanted.items()}
 
     def read() -> SourceRows:
@@ -340,7 +361,11 @@ def read_parquet(path: Path, wanted: dict[str, Spec]) -> SourceRows:
     """Read a Parquet file's wanted columns."""
     if not path.is_file():
         raise DownstreamDataError(f"{path}: no such file")
-    return rows_from_table(path, pq.read_table(path), wanted)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DownstreamDataError(f"{path}: not a readable Parquet file ({exc})") from None
+    return rows_from_table(path, table, wanted)
 
 
 def read_hf_split(path: Path, wanted: dict[str, Spec]) -> SourceRows:
@@ -349,8 +374,12 @@ def read_hf_split(path: Path, wanted: dict[str, Spec]) -> SourceRows:
 
     if not (path / "state.json").is_file():
         raise DownstreamDataError(f"{path}: not a dataset saved with save_to_disk (no state.json)")
-    dataset = datasets.load_from_disk(str(path))
-    table = dataset.with_format("arrow")[:]  # applies an indices mapping, if any
+    try:
+        dataset = datasets.load_from_disk(str(path))
+        table = dataset.with_format("arrow")[:]  # applies an indices mapping, if any
+    # A saved dataset whose state.json or Arrow files are damaged or missing.
+    except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as exc:
+        raise DownstreamDataError(f"{path}: not a readable saved dataset ({exc})") from None
     return rows_from_table(path, table, wanted)
 
 
@@ -361,7 +390,12 @@ def hf_splits(path: Path) -> list[str]:
         raise DownstreamDataError(
             f"{path}: not a DatasetDict saved with save_to_disk (no dataset_dict.json)"
         )
-    splits: list[str] = json.loads(index.read_text())["splits"]
+    try:
+        splits = json.loads(index.read_text(encoding="utf-8"))["splits"]
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise DownstreamDataError(f"{index}: no list of splits ({exc!r})") from None
+    if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+        raise DownstreamDataError(f"{index}: 'splits' must be a list of names, not {splits!r}")
     return splits
 
 

@@ -172,11 +172,21 @@ def code_version(*packages: str) -> dict[str, str | None]:
     return {"git_commit": git_commit(), "source_hash": source_hash(*packages)}
 
 
+# `scheme://user:password@host`: the password part of a URL's user info.
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s/:@'\"]*):[^\s/@'\"]*@")
+
+
+def redact_url(text: str) -> str:
+    """Replace the password of every `scheme://user:password@host` in `text` with `***`."""
+    return _URL_PASSWORD.sub(r"\1:***@", text)
+
+
 def public_dump(value: Any) -> Any:
     """Dump a pydantic model (or nested data) to JSON-able data with every secret left out.
 
     `SecretStr`/`SecretBytes` fields are dropped; a dict of secrets keeps only its key names, so
-    a reader can see *which* credentials were set but never their values.
+    a reader can see *which* credentials were set but never their values. A password inside a
+    URL (`https://user:password@host`, e.g. a tracking URI from the environment) is redacted.
     """
     secret = (SecretStr, SecretBytes)
     if isinstance(value, BaseModel):
@@ -189,6 +199,8 @@ def public_dump(value: Any) -> Any:
         return [public_dump(v) for v in value if not isinstance(v, secret)]
     if isinstance(value, Path):
         return str(value)
+    if isinstance(value, str):
+        return redact_url(value)
     return value
 
 

@@ -22,7 +22,8 @@ def read_json_array(
     unit: WorkUnit, key: str, limit: int, opts: dict[str, str]
 ) -> Iterator[RawBatch]:
     """Stream the elements of a top-level JSON array; `offset` is the element index."""
-    decoder, text_decoder = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
+    # utf-8-sig: a leading BOM is not part of the array (else the whole file is quarantined).
+    decoder, text_decoder = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8-sig")()
     buf, index, started = "", 0, False
     with open_stream(unit.file, opts) as stream:
         while True:
@@ -61,7 +62,9 @@ def read_json_array(
                     return
                 try:
                     obj, end = decoder.raw_decode(buf, pos)
-                except json.JSONDecodeError as exc:
+                # ValueError: an integer over Python's 4300-digit limit; RecursionError: deep
+                # nesting. Both are bad elements, not reader crashes.
+                except (ValueError, RecursionError) as exc:
                     if chunk and len(buf) - pos <= limit:
                         break  # the element continues in the next block
                     batch.add_bad(
@@ -93,6 +96,9 @@ def read_table(unit: WorkUnit, key: str, opts: dict[str, str]) -> Iterator[RawBa
                 batch.add_bad(row, None, "missing_field", f"column {key!r} is null", b"")
             elif isinstance(value, bytes):
                 emit(batch, value, row, None, None, blank_is_record=True)
+            elif not isinstance(value, str):  # a Parquet/dataset column of numbers, lists, ...
+                kind = column.type
+                batch.add_bad(row, None, "wrong_type", f"column {key!r} is {kind}, not text", b"")
             else:
                 batch.offsets.append(row)
                 batch.lines.append(None)
@@ -140,16 +146,55 @@ def _table_batches(
         newlines_in_values=True,
     )
     convert = pacsv.ConvertOptions(include_columns=[key], column_types={key: pa.binary()})
-    with open_stream(file, opts) as handle:
-        reader = pacsv.open_csv(
-            handle,
-            read_options=pacsv.ReadOptions(block_size=_BLOCK),
-            parse_options=parse,
-            convert_options=convert,
-        )
-        for record_batch in reader:
-            table = pa.Table.from_batches([record_batch])
-            yield table, bad[:]
-            bad.clear()
+    with open_stream(file, opts) as raw:
+        stream = _StopAtError(raw)
+        try:
+            reader = pacsv.open_csv(
+                stream,
+                read_options=pacsv.ReadOptions(block_size=_BLOCK),
+                parse_options=parse,
+                convert_options=convert,
+            )
+            for record_batch in reader:
+                table = pa.Table.from_batches([record_batch])
+                yield table, bad[:]
+                bad.clear()
+        except pa.ArrowInvalid as exc:  # e.g. a row larger than a block: the rest is unreadable
+            bad.append(RawRecord(-1, None, None, "malformed_csv", str(exc)[:EXCERPT]))
+    if stream.error is not None:  # every row decoded before the break was parsed above
+        error = stream.error
+        reason = "truncated_compressed" if isinstance(error, EOFError) else "corrupt_compressed"
+        bad.append(RawRecord(-1, None, None, reason, f"{type(error).__name__}: {error}"))
     if bad:
         yield pa.table({key: pa.array([], pa.binary())}), bad
+
+
+class _StopAtError:
+    """A byte stream that ends, instead of raising, at a decompression error, and keeps it.
+
+    pyarrow's CSV reader drops the block it is reading when `read` raises; ending the stream
+    there lets it parse every row decoded before the break.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.error: BaseException | None = None
+        self.closed = False
+
+    def read(self, size: int = -1) -> bytes:
+        """Read up to `size` bytes; b"" from the first decompression error on."""
+        if self.error is not None:
+            return b""
+        try:
+            return bytes(self._raw.read(size))
+        except DECOMPRESS_ERRORS as exc:
+            self.error = exc
+            return b""
+
+    def readable(self) -> bool:
+        """Return True: the stream is read-only."""
+        return True
+
+    def close(self) -> None:
+        """Mark the stream closed; the caller closes the file underneath."""
+        self.closed = True

@@ -76,10 +76,10 @@ def emit(
     blank_is_record: bool = False,
 ) -> None:
     """Decode one raw record into `batch` (as text, or a JSON field) or quarantine it."""
+    if offset == 0 and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[3:]  # before the blank check: a line holding only a BOM is blank
     if not blank_is_record and not raw.strip():
         return  # blank lines separate records in text files; they are not records
-    if offset == 0 and raw.startswith(codecs.BOM_UTF8):
-        raw = raw[3:]
     if b"\x00" in raw:
         batch.add_bad(offset, line, "nul_byte", f"NUL byte at +{raw.index(0)}", raw)
         return

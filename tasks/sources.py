@@ -187,7 +187,16 @@ def check_text_column(file: InputFile, source: SourceConfig) -> None:
         return
     try:
         columns = _columns(file, source.fs_options())
-    except (OSError, pa.ArrowInvalid, ValueError, KeyError) as exc:
+    # EOFError, zlib.error, ZstdError: a compressed file cut or corrupt before its header ends.
+    except (
+        OSError,
+        pa.ArrowInvalid,
+        ValueError,
+        KeyError,
+        EOFError,
+        zlib.error,
+        zstandard.ZstdError,
+    ) as exc:
         raise InputError(f"input file {file.uri!r} cannot be read as {file.format}: {exc}") from exc
     if source.text_field not in columns:
         raise InputError(
@@ -285,6 +294,15 @@ class _DecompressedStream:
 
     def close(self) -> None:
         self._raw.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the underlying file is closed (pyarrow's file wrapper asks)."""
+        return bool(getattr(self._raw, "closed", False))
+
+    def readable(self) -> bool:
+        """Return True: the stream is read-only."""
+        return True
 
     def __enter__(self) -> _DecompressedStream:
         return self
