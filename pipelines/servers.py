@@ -42,6 +42,28 @@ class ServersError(RuntimeError):
     """A server could not be started or stopped; the message says which and why."""
 
 
+# The admin password of the basic_auth.ini older MLflow versions shipped: no authentication.
+MLFLOW_LEGACY_DEFAULT_PASSWORD = "password1234"
+
+
+def exposure_problem(host: str, auth: dict[str, Any]) -> str | None:
+    """Say why binding `host` with these auth settings is refused; None when it is not.
+
+    A loopback host needs no authentication; any other needs both `prefect_auth_string` and
+    `mlflow_admin_password` (set, not None) among `auth`, whatever else it holds.
+    """
+    if host in LOOPBACK_HOSTS:
+        return None
+    keys = ("prefect_auth_string", "mlflow_admin_password")
+    missing = [f"servers.{key}" for key in keys if auth.get(key) is None]
+    if not missing:
+        return None
+    return (
+        "not a loopback address (127.0.0.1, ::1, localhost), so both servers need "
+        f"authentication: set {' and '.join(missing)}"
+    )
+
+
 # Field -> (accepted URL prefixes, whether a local path is accepted too).
 _URL_PREFIXES: dict[str, tuple[tuple[str, ...], bool]] = {
     "prefect_database_url": (("postgresql+asyncpg://", "sqlite+aiosqlite:///"), False),
@@ -100,18 +122,9 @@ class ServersConfig(BaseModel):
     @field_validator("host")
     @classmethod
     def _loopback_or_authenticated(cls, value: str, info: ValidationInfo) -> str:
-        if value in LOOPBACK_HOSTS:
-            return value
-        missing = [
-            f"servers.{key}"
-            for key in ("prefect_auth_string", "mlflow_admin_password")
-            if info.data.get(key) is None
-        ]
-        if missing:
-            raise ValueError(
-                "not a loopback address (127.0.0.1, ::1, localhost), so both servers need "
-                f"authentication: set {' and '.join(missing)}"
-            )
+        problem = exposure_problem(value, info.data)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("prefect_auth_string")
@@ -127,6 +140,11 @@ class ServersConfig(BaseModel):
     def _mlflow_password_policy(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and len(value.get_secret_value()) < 12:
             raise ValueError("must be at least 12 characters (MLflow's password policy)")
+        if value is not None and value.get_secret_value() == MLFLOW_LEGACY_DEFAULT_PASSWORD:
+            raise ValueError(
+                "must not be the default password older MLflow versions shipped "
+                "(publicly known: GHSA-gq3w-7jj3-x7gr)"
+            )
         return value
 
     @field_validator(*_URL_PREFIXES)
@@ -213,9 +231,14 @@ def start_servers(cfg: ServersConfig, workspace: Path) -> dict[str, ServerStatus
     what this call started.
 
     Raises:
-        ServersError: a port is taken, a driver is missing, or a server did not get healthy
-            within `cfg.startup_timeout_s` (the message shows the tail of its log).
+        ServersError: a non-loopback host without both auth settings, a port is taken, a
+            driver is missing, or a server did not get healthy within `cfg.startup_timeout_s`
+            (the message shows the tail of its log).
     """
+    # Validation refuses this already; a config built with `model_construct` skips validation.
+    problem = exposure_problem(cfg.host, dict(cfg))
+    if problem is not None:
+        raise ServersError(f"servers.host={cfg.host!r} is {problem}")
     state_dir = resolve_state_dir(cfg, workspace)
     state_dir.mkdir(parents=True, exist_ok=True)
     state_dir.chmod(0o700)  # holds the databases and logs

@@ -19,6 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext, TaskRunContext
 
 from pipelines.config import RunConfig
+from tasks.io import redact_url
 
 Rows = list[tuple[str, str]]
 _BIN = Path(sys.executable).parent  # the venv's scripts (mlflow, prefect), activated or not
@@ -72,10 +73,10 @@ def _links(cfg: RunConfig, result: dict[str, Any]) -> list[str]:
     """Markdown links to the stage's MLflow run and registered model (or where to find them)."""
     run_id, model = result.get("mlflow_run_id"), result.get("model_name")
     version = result.get("model_version")
-    base = cfg.tracking.ui_base()
+    base = _public(cfg.tracking.ui_base())
     lines: list[str] = []
     if base is None:
-        store = cfg.tracking.tracking_uri
+        store = _public(cfg.tracking.tracking_uri)
         if run_id:
             lines.append(f"MLflow run `{run_id}` in `{store}` (open it with `mlflow ui`).")
         if model:
@@ -100,15 +101,15 @@ def where_to_look(cfg: RunConfig, stages: dict[str, dict[str, Any]]) -> list[str
                 f"registered model ({name}): {result['model_name']} "
                 f"version {result.get('model_version')}{alias}"
             )
-    base = cfg.tracking.ui_base()
-    store = cfg.tracking.tracking_uri
+    base = _public(cfg.tracking.ui_base())
+    store = _public(cfg.tracking.tracking_uri)
     if base is not None:
         lines.append(f"MLflow UI:  {base}")
     elif store is not None and cfg.tracking.enabled:
         lines.append(
             f"MLflow UI:  mlflow ui --backend-store-uri {store}  (then http://127.0.0.1:5000)"
         )
-    api = os.environ.get("PREFECT_API_URL")
+    api = _public(os.environ.get("PREFECT_API_URL"))
     if api:
         lines.append(f"Prefect UI: {api.removesuffix('/').removesuffix('/api')}")
     else:
@@ -118,6 +119,11 @@ def where_to_look(cfg: RunConfig, stages: dict[str, dict[str, Any]]) -> list[str
             "  (then open http://127.0.0.1:4200)"
         )
     return lines
+
+
+def _public(url: str | None) -> str | None:
+    """`url` without the password a tracking URI from the environment may carry."""
+    return None if url is None else redact_url(url)
 
 
 def _pretrain_rows(result: dict[str, Any]) -> list[tuple[str, str]]:

@@ -3,20 +3,24 @@
 One Prefect task per stage drives these Ray tasks from its process (the driver). A local Ray is
 started on first use, bound to 127.0.0.1 and sized so its own tasks never starve (STACK_NOTES
 §0.4); with `ray.address` set, the same code runs on a cluster. `check_storage` refuses a
-workspace that the cluster's other nodes cannot see (a local path on several nodes).
+workspace that the cluster's other nodes cannot see (a local path on several nodes), and
+`ensure_ray` refuses a non-loopback cluster without token authentication (`RAY_AUTH_MODE=token`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field
+from ray._private import ray_constants
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,6 +52,37 @@ class RayConfig(BaseModel):
 
 class StorageError(RuntimeError):
     """The workspace is a local path that other nodes of the Ray cluster cannot see."""
+
+
+class RayAuthError(RuntimeError):
+    """`ray.address` names a cluster off this machine, but Ray token auth is not turned on."""
+
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+def address_host(address: str) -> str:
+    """The host part of a Ray address: 'ray://h:10001', 'h:6379', '[::1]:6379' or 'auto'."""
+    return urlsplit(address if "://" in address else f"//{address}").hostname or address
+
+
+def ray_auth_problem(address: str | None, auth_mode: str | None) -> str | None:
+    """Say why connecting to `address` with `RAY_AUTH_MODE=auth_mode` is refused; None if not.
+
+    A local Ray (no address) and a cluster on loopback are fine either way. Any other address,
+    `auto` included (the cluster `ray start` left on this host, whose servers may listen on
+    every interface), needs token auth: without it the driver talks to the cluster, and
+    listens itself, unauthenticated.
+    """
+    if address is None or address_host(address) in LOOPBACK_HOSTS:
+        return None
+    if (auth_mode or "").lower() == "token":
+        return None
+    return (
+        f"ray.address={address!r} is not a loopback address (127.0.0.1, ::1, localhost), so "
+        "Ray token authentication must be on: export RAY_AUTH_MODE=token, with the cluster's "
+        f"token in RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH (RAY_AUTH_MODE is {auth_mode!r})"
+    )
 
 
 # A URI scheme of two or more letters: one letter is a Windows drive (C:/...), not a URI.
@@ -100,24 +135,60 @@ def check_storage(cfg: RayConfig, workspace: str | Path) -> None:
 
 
 def ensure_ray(cfg: RayConfig) -> None:
-    """Connect to the configured Ray cluster, or start a local one, unless already connected."""
+    """Connect to the configured Ray cluster, or start a local one, unless already connected.
+
+    A local Ray listens on 127.0.0.1 only (see `_loopback_node_ip`), and so does this driver when
+    it joins a cluster on loopback.
+
+    Raises:
+        RayAuthError: `cfg.address` is not on loopback and `RAY_AUTH_MODE` is not `token`.
+    """
+    problem = ray_auth_problem(cfg.address, os.environ.get("RAY_AUTH_MODE"))
+    if problem is not None:
+        raise RayAuthError(problem)
     if ray.is_initialized():
         return
     # Workers inherit these: one thread each keeps 2-core machines from oversubscribing.
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     runtime_env = {"env_vars": env}
-    if cfg.address:
+    if cfg.address and address_host(cfg.address) not in LOOPBACK_HOSTS:
         ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=False)
         return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(
-        num_cpus=cfg.num_cpus or cfg.num_workers + 2,
-        object_store_memory=cfg.object_store_mb << 20,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env=runtime_env,
-        log_to_driver=False,
-    )
+    with _loopback_node_ip():
+        if cfg.address:
+            ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=False)
+            return
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(
+            num_cpus=cfg.num_cpus or cfg.num_workers + 2,
+            object_store_memory=cfg.object_store_mb << 20,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env=runtime_env,
+            log_to_driver=False,
+        )
+
+
+@contextlib.contextmanager
+def _loopback_node_ip() -> Iterator[None]:
+    """Keep 127.0.0.1 as the node IP while `ray.init` runs, so that Ray binds loopback only.
+
+    Ray 2.60 has no bind-address setting. Its gRPC servers (GCS, raylet, object manager, core
+    workers, agents) listen on 127.0.0.1 when the node IP is exactly "127.0.0.1" and on every
+    interface otherwise (GcsServer, NodeManager and GrpcServer::Run in Ray's C++ source). But
+    `ray.init` rewrites a loopback node IP or GCS address to the host's address unless
+    `ray_constants.ENABLE_RAY_CLUSTER` is false: the constant behind the documented
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read once when Ray is imported, hence set here.
+    The processes that `ray.init` starts are given the IP explicitly and need nothing.
+    tests/reliability/test_security_servers.py lists the sockets, so a Ray upgrade that
+    breaks this fails there.
+    """
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def map_bounded(

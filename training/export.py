@@ -98,7 +98,8 @@ def gather_state_dict(checkpoint_dir: Path, tag: str) -> dict[str, Tensor]:
     Stages 1-3 keep fp32 master weights in `*_optim_states.pt` partitions, which DeepSpeed's
     `zero_to_fp32` merges. Stage 0 writes no partitions (and `zero_to_fp32` fails on it), so the
     module states are read directly; under bf16/fp16 at stage 0 they are the half-precision
-    weights, upcast here.
+    weights, upcast here. DeepSpeed's partitions are pickles: call it only on a checkpoint that
+    `training.checkpoint.validate` passed (as `export_checkpoint` does), or on your own files.
 
     Args:
         checkpoint_dir: The directory given to `engine.save_checkpoint`.
@@ -224,6 +225,32 @@ def max_length(model: PreTrainedModel, default: int) -> int:
     return int(positions)
 
 
+def require_safetensors(model_dir: Path) -> list[Path]:
+    """Return the `*.safetensors` weight files of a model directory; never read a pickle one.
+
+    A directory that has pickle weights (`pytorch_model.bin`, `.pt`, `.ckpt`, ...) besides
+    safetensors is accepted: only the safetensors files are ever read.
+
+    Raises:
+        UnsafeWeightsError: The directory has only pickle weights: unpickling can run arbitrary
+            code, so they are never loaded.
+        FileNotFoundError: `model_dir` is not a directory, or it has no weights at all.
+    """
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir} is not a model directory")
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if shards:
+        return shards
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise UnsafeWeightsError(
+            f"{model_dir} has only pickle weights {pickles}; pickle can run code when "
+            "loaded. Convert them to safetensors where you trust the source, e.g. "
+            "`AutoModel.from_pretrained(dir).save_pretrained(new_dir)`, and pass new_dir."
+        )
+    raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+
+
 def assert_safetensors_only(hf_dir: Path) -> None:
     """Raise `UnsafeWeightsError` if `hf_dir` holds any pickle weight file."""
     pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -285,11 +312,16 @@ def export_model(
 def load_export(
     hf_dir: Path, family: str, task_type: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load an export offline; refuse missing or unexpected keys.
+    """Load an export offline (safetensors only); refuse missing or unexpected keys.
 
     The Auto class is the family's pretraining one, or the task's for a fine-tuned export
     (`task_type`, one of `tasks.schema.DOWNSTREAM_TASK_TYPES`).
+
+    Raises:
+        UnsafeWeightsError: The directory has only pickle weights.
+        ExportCheckError: The weights do not match the family's model.
     """
+    require_safetensors(hf_dir)  # before transformers looks at the directory at all
     auto = AUTO_CLASSES[family] if task_type is None else TASK_AUTO_CLASSES[task_type]
     model, info = auto.from_pretrained(
         hf_dir, local_files_only=True, use_safetensors=True, output_loading_info=True
@@ -355,16 +387,7 @@ def load_external_weights(model_dir: Path) -> dict[str, Tensor]:
             the like): unpickling can run arbitrary code, so they are never loaded.
         FileNotFoundError: There are no weights at all.
     """
-    shards = sorted(model_dir.glob("*.safetensors"))
-    if not shards:
-        pickles = sorted(p.name for p in model_dir.glob("*") if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise UnsafeWeightsError(
-                f"{model_dir} has only pickle weights {pickles}; pickle can run code when "
-                "loaded. Convert them to safetensors where you trust the source, e.g. "
-                "`AutoModel.from_pretrained(dir).save_pretrained(new_dir)`, and pass new_dir."
-            )
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    shards = require_safetensors(model_dir)
     state: dict[str, Tensor] = {}
     for shard in shards:
         state.update(load_file(shard))

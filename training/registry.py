@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 from huggingface_hub import ModelCard as HubModelCard
 
+from tasks.io import UnsafePathError, safe_join, safe_name
 from training.export import PIPELINE_TASKS, TASK_PIPELINES, assert_safetensors_only, load_export
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,21 @@ class ModelVersionRef:
     alias: str | None
     model_uri: str
     source: str
+
+
+def check_model_name(name: str) -> str:
+    """Return `name` if it can name a registered model and a directory; else raise.
+
+    A registered model's name becomes a directory name (`<workspace>/models/<name>-v<n>`), so
+    it must be one safe path segment: no `/`, `..`, backslash, NUL or encoded variant of them.
+
+    Raises:
+        UnsafePathError: the name could escape the directory it is joined to.
+    """
+    safe_name(name, what="registered model name")
+    if "/" in name or ":" in name:
+        raise UnsafePathError(f"registered model name {name!r} must not contain '/' or ':'")
+    return name
 
 
 def pip_requirements() -> list[str]:
@@ -151,6 +167,7 @@ def register_export(
     """
     import mlflow
 
+    check_model_name(model_name)
     client = mlflow.MlflowClient(tracking_uri)
     run = client.get_run(run_id)
     with _tracking_uri(tracking_uri):
@@ -172,9 +189,14 @@ def register_export(
 
 
 def resolve_version(tracking_uri: str, name: str, alias_or_version: str) -> ModelVersionRef:
-    """Find a version of `name` by alias (`candidate`) or by number (`3`)."""
+    """Find a version of `name` by alias (`candidate`) or by number (`3`).
+
+    Raises:
+        UnsafePathError: `name` is not a safe path segment (see `check_model_name`).
+    """
     import mlflow
 
+    check_model_name(name)
     client = mlflow.MlflowClient(tracking_uri)
     if alias_or_version.isdigit():
         mv = client.get_model_version(name, alias_or_version)
@@ -193,13 +215,25 @@ def _flatten_flavor(mlflow_model: Path, dst: Path) -> None:
     split into `model_card.md` and `model_card_data.yaml`; they are joined back as README.md.
     """
     flavor = yaml.safe_load((mlflow_model / "MLmodel").read_text())["flavors"]["transformers"]
-    shutil.copytree(mlflow_model / flavor["model_binary"], dst)
+    # The MLmodel file comes from the registry, i.e. from whoever logged the model: the
+    # directories it names must stay inside the download, and links are copied as links.
+    binary = safe_join(mlflow_model, str(flavor["model_binary"]), what="MLmodel model_binary")
+    _refuse_links(mlflow_model)
+    shutil.copytree(binary, dst, symlinks=True)
     for component in flavor.get("components", []):
-        shutil.copytree(mlflow_model / "components" / component, dst, dirs_exist_ok=True)
+        source = safe_join(mlflow_model / "components", str(component), what="MLmodel component")
+        shutil.copytree(source, dst, dirs_exist_ok=True, symlinks=True)
     text, data = mlflow_model / "model_card.md", mlflow_model / "model_card_data.yaml"
     if text.exists() and data.exists():
         readme = f"---\n{data.read_text()}---\n{text.read_text()}"
         (dst / "README.md").write_text(readme, encoding="utf-8")
+
+
+def _refuse_links(root: Path) -> None:
+    """Refuse a downloaded model that holds a symbolic link (it could point anywhere)."""
+    links = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_symlink())
+    if links:
+        raise UnsafePathError(f"the downloaded model holds symbolic links: {links[:5]}")
 
 
 def download_model(tracking_uri: str, ref: ModelVersionRef, dst: Path) -> Path:
@@ -210,9 +244,14 @@ def download_model(tracking_uri: str, ref: ModelVersionRef, dst: Path) -> Path:
 
     Returns:
         `dst`.
+
+    Raises:
+        UnsafeWeightsError: the version holds pickle weight files.
+        UnsafePathError: its MLmodel names directories outside the download, or it holds links.
     """
     import mlflow
 
+    check_model_name(ref.name)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{dst.name}.tmp-", dir=dst.parent) as tmp:
         # `models:/` resolution builds clients from the global URI despite the arguments.

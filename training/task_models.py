@@ -19,7 +19,7 @@ import torch
 import transformers as tf
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from training.export import PICKLE_SUFFIXES, UnsafeWeightsError
+from training.export import require_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -136,15 +136,7 @@ def _require_safetensors(model_dir: Path) -> None:
     """Refuse a directory without safetensors weights (pickle weights can run code on load)."""
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config)")
-    if any(model_dir.glob("*.safetensors")):
-        return
-    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise UnsafeWeightsError(
-            f"{model_dir} has only pickle weights {pickles}; pickle can run code when loaded. "
-            "Convert them to safetensors where you trust the source."
-        )
-    raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    require_safetensors(model_dir)
 
 
 def task_config(model_dir: Path, spec: TaskSpec) -> tf.PreTrainedConfig:
