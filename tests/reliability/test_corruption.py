@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import training_runs as runs
 from figures import FULL, record, record_row
+from training_runs import tiny_bert_config
 
 from tasks.encode import EncodeConfig
 from tasks.encode_run import run_encode
@@ -28,10 +30,9 @@ from tasks.stage import StageInputError, read_upstream, shards_of
 from tasks.tokenizer import TokenizerConfig
 from tasks.tokenizer_run import run_tokenizer
 from training import checkpoint as ckpt
-from training.config import TrainConfig
 from training.data import DataError, ExampleShards
 from training.pretrain import export_checkpoint
-from training.trainer import TrainingRun, run_training
+from training.trainer import TrainingRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
 
@@ -65,33 +66,9 @@ def note(target: str, damage: str, file: str, outcome: str) -> None:
 MAX_STEPS, EVERY = 9, 3
 
 
-def ckpt_config(storage: Path) -> TrainConfig:
-    return TrainConfig.model_validate(
-        {
-            "model": {"family": "bert", "size": "tiny"},
-            "max_steps": MAX_STEPS,
-            "global_batch_size": 32,
-            "micro_batch_size": 16,
-            "zero_stage": 2,
-            "checkpoint": {"every_steps": EVERY, "keep_last": 3, "storage_path": str(storage)},
-            "eval": {"every_steps": MAX_STEPS, "max_samples": 16},
-            "scale": {"num_workers": 2, "max_failures": 0},
-        }
-    )
-
-
 def train(data: dict[str, Path], storage: Path, **kw: Any) -> TrainingRun:
-    return run_training(
-        ckpt_config(storage),
-        0,
-        data["examples"],
-        data["tokenizer"],
-        storage / "ws",
-        RayConfig(num_workers=2, num_cpus=4),
-        tracking_uri=None,
-        mlflow_run_id=None,
-        **kw,
-    )
+    cfg = tiny_bert_config(storage, max_steps=MAX_STEPS, every=EVERY, keep_last=3, max_failures=0)
+    return runs.train(cfg, data, **kw)
 
 
 @pytest.fixture(scope="module")

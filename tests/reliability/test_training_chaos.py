@@ -21,14 +21,15 @@ from typing import Any
 
 import pytest
 import torch
+import training_runs as runs
 from figures import record, record_row, trials
+from training_runs import tiny_bert_config
 
-from tasks.ray_runtime import RayConfig
 from training import checkpoint as ckpt
 from training.config import TrainConfig
 from training.export import gather_state_dict
 from training.faults import SAVE_POINTS, FaultPlan, FaultPoint
-from training.trainer import TrainingRun, run_training
+from training.trainer import TrainingRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
 
@@ -39,36 +40,21 @@ PURGE_STEPS = [s for s in SAVE_STEPS if s >= 3 * EVERY]
 
 
 def chaos_config(storage: Path, max_failures: int = 3) -> TrainConfig:
-    return TrainConfig.model_validate(
-        {
-            "model": {"family": "bert", "size": "tiny"},
-            "max_steps": MAX_STEPS,
-            "global_batch_size": 32,
-            "micro_batch_size": 16,
-            "zero_stage": 2,
-            "optim": {"lr": 3e-3, "warmup_steps": 2},
-            "checkpoint": {"every_steps": EVERY, "keep_last": 2, "storage_path": str(storage)},
-            "eval": {"every_steps": MAX_STEPS, "max_samples": 32},
-            "scale": {"num_workers": 2, "max_failures": max_failures},
-            "log_sample_ids": True,
-        }
+    return tiny_bert_config(
+        storage,
+        max_steps=MAX_STEPS,
+        every=EVERY,
+        keep_last=2,
+        max_failures=max_failures,
+        optim={"lr": 3e-3, "warmup_steps": 2},
+        log_sample_ids=True,
     )
 
 
 def train(
     data: dict[str, Path], storage: Path, fault: FaultPlan | None = None, **kw: Any
 ) -> TrainingRun:
-    return run_training(
-        chaos_config(storage, **kw),
-        0,
-        data["examples"],
-        data["tokenizer"],
-        storage / "ws",
-        RayConfig(num_workers=2, num_cpus=4),
-        tracking_uri=None,
-        mlflow_run_id=None,
-        fault=fault,
-    )
+    return runs.train(chaos_config(storage, **kw), data, fault=fault)
 
 
 def history(run_dir: Path) -> dict[str, Any]:
