@@ -54,8 +54,8 @@ test-gpu: $(STAMP)
 
 # The reliability suite at its full trial counts (20 training-chaos trials, every kill-during-save
 # point, the 12-case resume matrix, 10 data-chaos trials per stage, 500 examples per bad-input
-# property); figures go to test-artifacts/reliability/*.json, from which docs/reliability.md is
-# written. `make test` runs the same tests at their quick counts.
+# property); figures go to test-artifacts/reliability/full/*.json, rendered for docs/reliability.md
+# by bench/reliability_report.py. `make test` runs the same tests at their quick counts.
 test-reliability: $(STAMP)
 	LMPIPE_RELIABILITY=full $(BIN)/pytest tests/reliability -m reliability --timeout 3600
 

@@ -1,6 +1,7 @@
-"""Render the reliability suite's figures (test-artifacts/reliability/*.json) as Markdown.
+"""Render the reliability suite's figures (test-artifacts/reliability/full/*.json) as Markdown.
 
-Usage: `.venv/bin/python bench/reliability_report.py [DIR]` after `make test-reliability`;
+Usage: `.venv/bin/python bench/reliability_report.py [DIR]` after `make test-reliability`
+(DIR defaults to the full run's folder; `make test` writes its quick figures to `quick/`);
 the output is what docs/reliability.md quotes. Each JSON file becomes a section: its scalar
 figures as a list, each list of records as a table, plus N/N summaries where a record says
 whether it held (`weights_equal`, `identical`, `outcome`).
@@ -60,6 +61,5 @@ def main(folder: Path) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(
-        main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "test-artifacts" / "reliability")
-    )
+    default = ROOT / "test-artifacts" / "reliability" / "full"
+    raise SystemExit(main(Path(sys.argv[1]) if len(sys.argv) > 1 else default))

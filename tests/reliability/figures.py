@@ -1,9 +1,10 @@
 """The reliability suite (issue 8): trial counts and the figures each module records.
 
 `make test` runs every module at its quick count (a few trials, inside the suite's time budget);
-`make test-reliability` sets `LMPIPE_RELIABILITY=full` and runs the full counts, and each module
-writes its figures to `test-artifacts/reliability/<name>.json`, from which `docs/reliability.md`
-is written.
+`make test-reliability` sets `LMPIPE_RELIABILITY=full` and runs the full counts. Each module
+writes its figures to `test-artifacts/reliability/<quick|full>/<name>.json` (one folder per
+mode, so a `make test` never overwrites a full run's figures); `bench/reliability_report.py`
+renders a folder as the tables of `docs/reliability.md`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 FULL = os.environ.get("LMPIPE_RELIABILITY", "") == "full"
-FIGURES = REPO / "test-artifacts" / "reliability"
+FIGURES = REPO / "test-artifacts" / "reliability" / ("full" if FULL else "quick")
 
 
 def trials(quick: int, full: int) -> int:
@@ -24,7 +25,7 @@ def trials(quick: int, full: int) -> int:
 
 
 def record(name: str, figures: dict[str, Any]) -> Path:
-    """Merge `figures` into `test-artifacts/reliability/<name>.json` (tagged quick or full)."""
+    """Merge `figures` into `<FIGURES>/<name>.json` (tagged quick or full)."""
     FIGURES.mkdir(parents=True, exist_ok=True)
     path = FIGURES / f"{name}.json"
     current: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}

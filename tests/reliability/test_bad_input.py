@@ -10,7 +10,7 @@ exactly, and equal what the generator wrote where that is knowable.
 
 Quick mode (`make test`) runs about 30 derandomized examples per property; `LMPIPE_RELIABILITY=full`
 runs 500. Each property records examples, refusals and uncaught exceptions under
-`test-artifacts/reliability/bad_input.json`.
+`test-artifacts/reliability/<quick|full>/bad_input.json`.
 """
 
 from __future__ import annotations

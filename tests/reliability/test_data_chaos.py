@@ -13,7 +13,7 @@ workspace.
 
 `make test` runs 2 trials (ingestion with a driver kill, encoding with a worker kill);
 `make test-reliability` runs 10 per stage, alternating the victim. The figures go to
-test-artifacts/reliability/data_chaos.json.
+test-artifacts/reliability/<quick|full>/data_chaos.json.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ sample history must be exactly the global order's: every step's global batch, in
 missing, none twice. A ZeRO checkpoint resumed at another worker count goes through DeepSpeed's
 universal format (training/loop.py `_load_resharded`).
 
-`make test` runs one case per worker-count change (2 -> 1, 1 -> 2); `make test-reliability` the 12.
+`make test` runs one case (stopped mid-epoch 1 at 2 workers, resumed at 1: a later epoch and a
+ZeRO checkpoint resharded); `make test-reliability` all 12.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ GLOBAL_BATCH, MAX_STEPS = 512, 8
 # The demo bert examples' train split holds 2,754 samples: 5 steps of 512 per epoch.
 STOPS = {"epoch0-mid": 2, "epoch-boundary": 5, "epoch1-mid": 7}
 CASES = [(stop, a, b) for stop in STOPS for a in (1, 2) for b in (1, 2)]
-QUICK = [("epoch1-mid", 2, 1), ("epoch-boundary", 1, 2)]
+QUICK = [("epoch1-mid", 2, 1)]
 
 
 def matrix_config(storage: Path, workers: int) -> TrainConfig:
