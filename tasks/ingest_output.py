@@ -202,6 +202,15 @@ def link_file(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+# Characters JSON allows unescaped but that `str.splitlines()` (and many viewers) take for line
+# breaks: escaped, so that one quarantined record is always one line of quarantine.jsonl.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _jsonl_line(record: dict[str, Any]) -> str:
+    return json.dumps(record, ensure_ascii=False, sort_keys=True).translate(_LINE_BREAKS) + "\n"
+
+
 def line_bases(units: list[WorkUnit], summaries: list[dict[str, Any]]) -> list[int]:
     """Per unit, how many lines of its file come before it (a unit counts its lines from 1)."""
     bases: list[int] = []
@@ -237,7 +246,7 @@ def write_quarantine(
                 record[schema.EXCERPT] = record[schema.EXCERPT].decode("utf-8", "backslashreplace")
                 if record[schema.LINE] is not None:
                     record[schema.LINE] += line_base[unit.index]
-                handle.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
+                handle.write(_jsonl_line(record))
                 rows += 1
     path = out / "quarantine.jsonl"
     return {

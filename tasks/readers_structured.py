@@ -18,6 +18,26 @@ from tasks.sources import RawRecord, WorkUnit, arrow_files, open_stream
 _BLOCK = 8 << 20
 
 
+def _drain(stream: Any, batch: RawBatch, index: int, tail: str | None = None) -> None:
+    """Read `stream` to its end, adding a `truncated_compressed` record if it breaks there.
+
+    The reader stops early at the array's `]` or at a bad element; a compressed file cut or
+    damaged after that point (its trailer, its CRC) is damaged all the same, and is reported.
+    With `tail` (the text after the array's `]`), anything but whitespace after the array is
+    quarantined as `malformed_json`, so that no trailing data is dropped unseen.
+    """
+    extra = (tail or "").strip().encode()[:EXCERPT]
+    try:
+        while chunk := stream.read(_BLOCK):
+            if tail is not None and not extra and chunk.strip():
+                extra = chunk.strip()[:EXCERPT]
+    except DECOMPRESS_ERRORS as exc:
+        batch.add_bad(index, None, "truncated_compressed", str(exc), b"")
+        return
+    if extra:
+        batch.add_bad(index, None, "malformed_json", "data after the top-level array", extra)
+
+
 def read_json_array(
     unit: WorkUnit, key: str, limit: int, opts: dict[str, str]
 ) -> Iterator[RawBatch]:
@@ -38,6 +58,8 @@ def read_json_array(
                     else "truncated_compressed"
                 )
                 batch.add_bad(index, None, reason, str(exc), buf.encode()[:EXCERPT])
+                if reason == "invalid_utf8":  # the stream itself may break further on
+                    _drain(stream, batch, index + 1)
                 yield batch
                 return
             pos = 0
@@ -51,6 +73,7 @@ def read_json_array(
                     )
                     reason = "malformed_json" if stripped else "empty_file"
                     batch.add_bad(0, None, reason, detail, stripped[:EXCERPT].encode())
+                    _drain(stream, batch, 1)
                     yield batch
                     return
                 started, pos = True, len(buf) - len(stripped) + 1
@@ -58,6 +81,7 @@ def read_json_array(
                 while pos < len(buf) and buf[pos] in " \t\r\n,":
                     pos += 1
                 if pos < len(buf) and buf[pos] == "]":
+                    _drain(stream, batch, index, tail=buf[pos + 1 :])
                     yield batch
                     return
                 try:
@@ -70,9 +94,11 @@ def read_json_array(
                     batch.add_bad(
                         index, None, "malformed_json", str(exc), buf[pos : pos + EXCERPT].encode()
                     )
+                    _drain(stream, batch, index + 1)
                     yield batch
                     return
-                emit_value(batch, obj, buf[pos:end].encode()[:EXCERPT], index, None, key)
+                excerpt = buf[pos:end].encode()[:EXCERPT]
+                emit_value(batch, obj, excerpt, index, None, key, check_surrogates=True)
                 index, pos = index + 1, end
             buf = buf[pos:]
             yield batch

@@ -109,9 +109,21 @@ def emit_json(
 
 
 def emit_value(
-    batch: RawBatch, obj: Any, raw: bytes, offset: int, line: int | None, key: str
+    batch: RawBatch,
+    obj: Any,
+    raw: bytes,
+    offset: int,
+    line: int | None,
+    key: str,
+    *,
+    check_surrogates: bool = False,
 ) -> None:
-    """Emit `obj[key]` if `obj` is an object holding a string there, else quarantine it."""
+    r"""Emit `obj[key]` if `obj` is an object holding a string there, else quarantine it.
+
+    `check_surrogates`: `obj` came from Python's `json`, which (unlike orjson) decodes a lone
+    `\ud800`-style escape into a string that is not valid Unicode: quarantine it as
+    `invalid_utf8` instead of failing when the shard is written.
+    """
     if not isinstance(obj, dict) or key not in obj or obj[key] is None:
         what = "not a JSON object" if not isinstance(obj, dict) else f"no field {key!r}"
         batch.add_bad(offset, line, "missing_field", what, raw)
@@ -119,6 +131,13 @@ def emit_value(
         kind = type(obj[key]).__name__
         batch.add_bad(offset, line, "wrong_type", f"field {key!r} is {kind}, not str", raw)
     else:
+        if check_surrogates:
+            try:
+                obj[key].encode("utf-8")
+            except UnicodeEncodeError as exc:
+                detail = f"field {key!r} holds a lone surrogate at +{exc.start}"
+                batch.add_bad(offset, line, "invalid_utf8", detail, raw)
+                return
         batch.offsets.append(offset)
         batch.lines.append(line)
         batch.texts.append(obj[key])

@@ -9,6 +9,7 @@ opened only after every hash matched.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -30,7 +31,8 @@ META = "meta.json"
 LATEST = "latest"  # in the run directory: the name of the newest committed checkpoint
 TAG = "ds"  # DeepSpeed's tag: the sub-directory holding its shards
 _NAME = re.compile(r"checkpoint_step-(\d{9})")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json carries its own sha256 (`meta_sha256`)
+SELF_HASH = "meta_sha256"
 
 
 class CheckpointError(ValueError):
@@ -55,9 +57,17 @@ def write_meta(ckpt: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Hash every file of `ckpt` and write `meta.json` atomically; return what was written."""
     files = {str(p.relative_to(ckpt)): sha256_file(p) for p in _files(ckpt)}
     full = {"format": FORMAT_VERSION, **meta, "files": files}
+    full[SELF_HASH] = _self_hash(full)
     write_json_atomic(ckpt / META, full)
     _fsync_dir(ckpt)
     return full
+
+
+def _self_hash(meta: dict[str, Any]) -> str:
+    # Over the canonical JSON of everything but the hash itself: a changed byte anywhere in
+    # meta.json (a step, the cursor, a file's hash) no longer matches.
+    body = {k: v for k, v in meta.items() if k != SELF_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -95,8 +105,9 @@ def validate(ckpt: Path, config_hash: str | None = None) -> dict[str, Any]:
     """The checkpoint's meta after checking it lists, and matches, every file it needs.
 
     Raises:
-        CheckpointError: no or unreadable `meta.json`, a missing, changed or extra file, or a
-            different config hash (when `config_hash` is given).
+        CheckpointError: no, unreadable or changed `meta.json` (it holds its own sha256), a
+            missing, changed or extra file, or a different config hash (when `config_hash` is
+            given).
     """
     path = ckpt / META
     try:
@@ -105,6 +116,11 @@ def validate(ckpt: Path, config_hash: str | None = None) -> dict[str, Any]:
         raise CheckpointError(f"{ckpt}: no {META} (the save did not finish)") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable: {exc}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    legacy = meta.get("format") == 1 and SELF_HASH not in meta  # written before the self-hash
+    if not legacy and meta.get(SELF_HASH) != _self_hash(meta):
+        raise CheckpointError(f"{path}: its content does not match its own sha256 (changed)")
     listed: dict[str, str] = meta.get("files", {})
     if not listed:
         raise CheckpointError(f"{path}: lists no files")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -39,6 +40,12 @@ def test_validate_accepts_a_complete_checkpoint(tmp_path: Path) -> None:
         (lambda p: (p / "stray.pt").write_bytes(b"x"), "not in meta.json"),
         (lambda p: (p / "meta.json").unlink(), "no meta.json"),
         (lambda p: (p / "meta.json").write_text("{trunc"), "unreadable"),
+        (
+            lambda p: (p / "meta.json").write_text(
+                (p / "meta.json").read_text().replace('"step": 3', '"step": 4')
+            ),
+            "its own sha256",
+        ),
     ],
 )
 def test_validate_refuses_a_damaged_checkpoint(tmp_path: Path, damage, message: str) -> None:  # type: ignore[no-untyped-def]
@@ -46,6 +53,16 @@ def test_validate_refuses_a_damaged_checkpoint(tmp_path: Path, damage, message: 
     damage(path)
     with pytest.raises(ckpt.CheckpointError, match=message):
         ckpt.validate(path)
+
+
+def test_validate_accepts_a_checkpoint_written_before_meta_carried_its_own_hash(
+    tmp_path: Path,
+) -> None:
+    path = make_checkpoint(tmp_path, 3)
+    meta = json.loads((path / "meta.json").read_text())
+    del meta[ckpt.SELF_HASH]
+    (path / "meta.json").write_text(json.dumps(meta | {"format": 1}))
+    assert ckpt.validate(path, "abc")["step"] == 3
 
 
 def test_validate_refuses_another_configuration(tmp_path: Path) -> None:
