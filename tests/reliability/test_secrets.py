@@ -100,12 +100,20 @@ async def prefect_records(flow_run_id: Any) -> dict[str, Any]:
         LogFilter,
         LogFilterFlowRunId,
     )
+    from prefect.logging.handlers import APILogHandler
 
+    # Run logs reach the API from a background worker, in batches: under a loaded test session
+    # they may not be there yet. Drain it, then read (bounded: about 30 s at most).
+    await APILogHandler.aflush()
     async with get_client() as client:
         run = await client.read_flow_run(flow_run_id)
-        logs = await client.read_logs(
-            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200
-        )
+        log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+        logs = await client.read_logs(log_filter, limit=200)
+        for _ in range(60):
+            if logs:
+                break
+            await asyncio.sleep(0.5)
+            logs = await client.read_logs(log_filter, limit=200)
         artifacts = await client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
         )
