@@ -405,6 +405,20 @@ def ingest_lines(
     return result
 
 
+def checked(
+    result: dict[str, Any] | str, figure: str, name: str, line_based: bool
+) -> dict[str, Any] | None:
+    """The counts of an ingest result after the checks any result passes; None for a refusal."""
+    if isinstance(result, str):
+        tally(figure, refusals=1)
+        return None
+    counts: dict[str, Any] = result["counts"]
+    tally(figure, quarantined=len(result["bad"]))
+    assert counts["read"] == accounted(counts)
+    check_quarantine(result, name, line_based)
+    return counts
+
+
 def check_quarantine(result: dict[str, Any], name: str, line_based: bool) -> None:
     """Every quarantined record names its file, and its line where the format has lines."""
     for row in result["bad"]:
@@ -555,13 +569,9 @@ def test_truncated_or_corrupt_gzip_keeps_what_was_decoded_and_says_where_it_brok
             path = tmp / f"in.{fmt}.gz"
             path.write_bytes(bytes(broken))
             result = ingest_or_refuse(path, {"txt_mode": "line"})
-        if isinstance(result, str):  # a csv header that did not survive the cut
-            tally("ingest_gzip", refusals=1)
+        counts = checked(result, "ingest_gzip", path.name, line_based=fmt in ("jsonl", "txt"))
+        if counts is None:  # a csv header that did not survive the cut
             return
-        counts = result["counts"]
-        tally("ingest_gzip", quarantined=len(result["bad"]))
-        assert counts["read"] == accounted(counts)
-        check_quarantine(result, path.name, line_based=fmt in ("jsonl", "txt"))
         if bytes(broken) != packed:  # the break is reported, unless the whole file is refused
             reasons = {"truncated_compressed", "corrupt_compressed", "binary_file"}
             assert set(counts["quarantined"]) & reasons
@@ -764,13 +774,8 @@ def test_random_bytes_in_any_format_are_refused_or_quarantined() -> None:
             path = tmp / f"in.{fmt}"
             path.write_bytes(data)
             result = ingest_or_refuse(path, {"text_field": "text"})
-        if isinstance(result, str):  # refused before any work, naming the file
-            tally("ingest_random_bytes", refusals=1)
-            return
-        counts = result["counts"]
-        tally("ingest_random_bytes", quarantined=len(result["bad"]))
-        assert counts["read"] == accounted(counts)
-        check_quarantine(result, path.name, line_based=fmt in ("txt", "jsonl"))
+        # Refused before any work, naming the file, or counted: either is fine.
+        checked(result, "ingest_random_bytes", path.name, line_based=fmt in ("txt", "jsonl"))
 
     run_property("ingest_random_bytes", prop)
 
