@@ -621,19 +621,25 @@ def test_json_array_elements_are_kept_or_quarantined_by_index() -> None:
     @example([("good", {"text": "a"})], True)  # a BOM quarantined the whole array
     def prop(elements: list[tuple[str, Any]], bom: bool) -> None:
         data = (b"\xef\xbb\xbf" if bom else b"") + json.dumps([v for _, v in elements]).encode()
-        with scratch() as tmp:
-            path = tmp / "in.json"
-            path.write_bytes(data)
-            result = ingest(path, {"format": "json"})
-        counts = result["counts"]
-        tally("ingest_json", quarantined=len(result["bad"]))
-        assert counts["read"] == accounted(counts) == len(elements)
+        result = ingest_json(data, "ingest_json")
+        assert result["counts"]["read"] == len(elements)
         want = sorted(
             (i, ARRAY_KINDS[k][1]) for i, (k, _) in enumerate(elements) if ARRAY_KINDS[k][1]
         )
         assert sorted((r["offset"], r["reason"]) for r in result["bad"]) == want
 
     run_property("ingest_json", prop)
+
+
+def ingest_json(data: bytes, figure: str) -> dict[str, Any]:
+    """Ingest `data` as a `.json` file; its counts reconcile and its quarantine names it."""
+    with scratch() as tmp:
+        path = tmp / "in.json"
+        path.write_bytes(data)
+        result = ingest(path, {"format": "json"})
+    counts = checked(result, figure, "in.json", line_based=False)
+    assert counts is not None
+    return result
 
 
 def _empty_array(data: bytes) -> bool:
@@ -652,16 +658,9 @@ def test_json_garbage_is_quarantined_and_counted() -> None:
     @example(b"[]")  # an empty array: no record, nothing lost
     @example(b"[]!")  # data after the array: quarantined, not dropped
     def prop(data: bytes) -> None:
-        with scratch() as tmp:
-            path = tmp / "in.json"
-            path.write_bytes(data)
-            result = ingest(path, {"format": "json"})
-        counts = result["counts"]
-        tally("ingest_json_garbage", quarantined=len(result["bad"]))
-        assert counts["read"] == accounted(counts)
+        counts = ingest_json(data, "ingest_json_garbage")["counts"]
         if data.strip() and not _empty_array(data):  # something there is at least one record
             assert counts["read"] >= 1
-        check_quarantine(result, "in.json", line_based=False)
 
     run_property("ingest_json_garbage", prop)
 

@@ -559,6 +559,14 @@ def test_mlflow_rejects_requests_without_credentials(stack: Stack) -> None:
     }
 
 
+def assert_token_required(codes: dict[str, dict[str, str]]) -> None:
+    """Every server refused the calls without or with a wrong token, and took the right one."""
+    for name, by_token in codes.items():
+        assert by_token["no token"] == "UNAUTHENTICATED", (name, by_token)
+        assert by_token["wrong token"] == "UNAUTHENTICATED", (name, by_token)
+        assert by_token.get("the token", "OK") == "OK", (name, by_token)
+
+
 def test_lmpipe_local_ray_rejects_grpc_calls_without_the_token(stack: Stack) -> None:
     node = stack.lmpipe_ray
     codes = _grpc_codes(
@@ -570,10 +578,7 @@ def test_lmpipe_local_ray_rejects_grpc_calls_without_the_token(stack: Stack) -> 
         },
     )
     _FIGURES["lmpipe_ray_grpc"] = codes
-    for name, by_token in codes.items():
-        assert by_token["no token"] == "UNAUTHENTICATED", (name, by_token)
-        assert by_token["wrong token"] == "UNAUTHENTICATED", (name, by_token)
-        assert by_token.get("the token", "OK") == "OK", (name, by_token)
+    assert_token_required(codes)
 
 
 def test_ray_head_rejects_grpc_calls_without_the_token(stack: Stack) -> None:
@@ -589,10 +594,7 @@ def test_ray_head_rejects_grpc_calls_without_the_token(stack: Stack) -> None:
         },
     )
     _FIGURES["ray_head_grpc"] = codes
-    for name, by_token in codes.items():
-        assert by_token["no token"] == "UNAUTHENTICATED", (name, by_token)
-        assert by_token["wrong token"] == "UNAUTHENTICATED", (name, by_token)
-        assert by_token.get("the token", "OK") == "OK", (name, by_token)
+    assert_token_required(codes)
 
 
 def test_ray_dashboard_and_job_api_reject_requests_without_the_token(stack: Stack) -> None:
