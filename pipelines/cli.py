@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the stages before (reused when done), then pretraining examples; "
         "`examples inspect CONFIG` prints a few",
         description="Cut the encoded train and validation splits into examples of "
-        "examples.objective (bert, sop, roberta, causal, span_corruption) on Ray, under "
+        "examples.objective (bert, sop, roberta, causal, span_corruption, denoising) on Ray, under "
         "<workspace>/examples/<fingerprint>/. `lmpipe examples inspect CONFIG [--count N]` "
         "prints N decoded examples with masks, segments, spans and sentinels made visible.",
     )

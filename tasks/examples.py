@@ -1,7 +1,8 @@
-"""Pretraining examples from encoded documents: sentence pairs, sentences, causal blocks, spans.
+"""Pretraining examples from encoded documents: pairs, sentences, causal blocks, spans, noise.
 
 Pure cores over `EncodedDocs` (flat NumPy views of an encode shard) plus explicit seeds; the
-masking and span-corruption arithmetic is `tasks.objectives`, shared with the training loop.
+masking, span-corruption and denoising arithmetic is `tasks.objectives`, shared with the
+training loop.
 
 Every random choice of an example comes from a generator seeded by (run seed, source shard,
 copy, document or example index), never from a process-wide state, so a shard's examples are
@@ -22,15 +23,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tasks import schema
 from tasks.objectives import (
+    DenoisingConfig,
+    InfillResult,
     MaskConfig,
     SpanConfig,
     mask_tokens,
+    permute_sentences,
     random_spans_helper,
     sample_keys,
     span_corrupt,
+    text_infill,
 )
 
-Objective = Literal["bert", "sop", "roberta", "causal", "span_corruption"]
+Objective = Literal["bert", "sop", "roberta", "causal", "span_corruption", "denoising"]
+_SPAN_HISTOGRAM = 16  # denoising counts spans of length 0..15 one by one, longer ones together
 
 
 class ExamplesConfig(BaseModel):
@@ -40,14 +46,14 @@ class ExamplesConfig(BaseModel):
     objective: Objective = Field(
         "bert",
         description="bert (MLM + next sentence), sop (MLM + sentence order), roberta (MLM on "
-        "full sentences), causal (GPT blocks), span_corruption (T5).",
+        "full sentences), causal (GPT blocks), span_corruption (T5), denoising (BART).",
     )
     max_seq_length: int = Field(
         128,
         ge=8,
         le=65_536,
         description="Tokens per example, specials included (bert, sop, roberta); the encoder "
-        "input length (span_corruption).",
+        "input length (span_corruption); encoder and decoder length (denoising).",
     )
     block_size: int = Field(512, ge=2, le=1 << 20, description="Tokens per causal block.")
     short_seq_prob: float = Field(
@@ -68,11 +74,16 @@ class ExamplesConfig(BaseModel):
     )
     mask: MaskConfig = Field(default_factory=MaskConfig)
     span: SpanConfig = Field(default_factory=SpanConfig)
+    denoising: DenoisingConfig = Field(default_factory=DenoisingConfig)
 
     @model_validator(mode="after")
     def _dynamic_has_one_copy(self) -> ExamplesConfig:
         if self.masking == "dynamic" and self.dupe_factor != 1:
             raise ValueError("dupe_factor applies to static masking; dynamic masking needs 1")
+        if self.masking == "dynamic" and self.objective == "denoising":
+            raise ValueError(
+                "examples.masking=dynamic: denoising writes its noise into the shards; use static"
+            )
         return self
 
 
@@ -292,6 +303,62 @@ def full_sentences(docs: EncodedDocs, max_tokens: int, sep: int) -> list[np.ndar
     return out
 
 
+# ---- denoising: BART chunks of whole sentences ---------------------------------------------
+
+
+def sentence_chunks(docs: EncodedDocs, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Group each document's consecutive sentences into chunks of at most `max_tokens` ids.
+
+    Unlike `full_sentences`, a chunk never crosses a document. A sentence longer than
+    `max_tokens` is cut into pieces, each then a sentence of its own.
+
+    Returns:
+        (P, 2) [start, stop) ranges into `docs.ids`, one per sentence (or piece) in order, and
+        (P,) the chunk number of each.
+    """
+    pieces: list[tuple[int, int]] = []
+    chunk_of: list[int] = []
+    chunk = -1
+    for d in range(docs.documents):
+        length = max_tokens  # full: a document's first sentence opens a new chunk
+        for s in range(int(docs.doc_offsets[d]), int(docs.doc_offsets[d + 1])):
+            lo, hi = int(docs.sent_offsets[s]), int(docs.sent_offsets[s + 1])
+            for at in range(lo, hi, max_tokens):
+                stop = min(at + max_tokens, hi)
+                if length + stop - at > max_tokens:
+                    chunk, length = chunk + 1, 0
+                pieces.append((at, stop))
+                chunk_of.append(chunk)
+                length += stop - at
+    return np.asarray(pieces, dtype=np.int64).reshape(-1, 2), np.asarray(chunk_of, np.int64)
+
+
+def sentence_rows(
+    docs: EncodedDocs, length: int, first: int, last: int, pad: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lay `sentence_chunks` out as `first sentences... last` padded to `length`.
+
+    Returns ids (N, L) int64, sentence starts (N, L) bool (True at each sentence's first
+    token) and real lengths (N,), specials included.
+    """
+    pieces, chunk = sentence_chunks(docs, length - 2)
+    n = int(chunk[-1]) + 1 if len(chunk) else 0
+    sizes = pieces[:, 1] - pieces[:, 0]  # (P,)
+    before = np.cumsum(sizes) - sizes  # (P,) tokens of the earlier pieces
+    content = np.bincount(chunk, weights=sizes, minlength=n).astype(np.int64)  # (N,)
+    col = 1 + before - (np.cumsum(content) - content)[chunk]  # (P,) column in its row
+    offset = np.arange(int(sizes.sum())) - np.repeat(before, sizes)  # (T,) inside its piece
+    ids = np.full((n, length), pad, dtype=np.int64)  # (N, L)
+    ids[np.repeat(chunk, sizes), np.repeat(col, sizes) + offset] = docs.ids[
+        np.repeat(pieces[:, 0], sizes) + offset
+    ]
+    ids[:, 0] = first
+    ids[np.arange(n), content + 1] = last
+    starts = np.zeros((n, length), dtype=bool)  # (N, L)
+    starts[chunk, col] = True
+    return ids, starts, content + 2
+
+
 # ---- causal: GPT blocks --------------------------------------------------------------------
 
 
@@ -436,6 +503,8 @@ def cut_examples(
         return _roberta_examples(docs, cfg, ctx)
     if cfg.objective == "causal":
         return _causal_examples(docs, cfg, ctx)
+    if cfg.objective == "denoising":
+        return _denoising_examples(docs, cfg, ctx)
     return _span_examples(docs, cfg, ctx)
 
 
@@ -568,6 +637,58 @@ def _span_examples(
         "span_corruption", cfg.max_seq_length, ctx.ids, labels=True, targets_length=targets_length
     )
     return pa.table(arrays, schema=out_schema), stats
+
+
+def _denoising_examples(
+    docs: EncodedDocs, cfg: ExamplesConfig, ctx: ShardContext
+) -> tuple[pa.Table, dict[str, int]]:
+    sp = ctx.specials
+    assert sp.cls is not None
+    assert sp.eos is not None
+    assert sp.mask is not None
+    labels, starts, lengths = sentence_rows(docs, cfg.max_seq_length, sp.cls, sp.eos, sp.pad)
+    # BART's decoder starts with </s> (decoder_start_token_id = eos), then the labels.
+    decoder = np.concatenate(
+        [np.full((len(labels), 1), sp.eos, dtype=labels.dtype), labels[:, :-1]], axis=1
+    )
+    out_schema = schema.examples_schema("denoising", cfg.max_seq_length, ctx.ids, labels=True)
+    tables: list[pa.Table] = []
+    totals: dict[str, int] = {}
+    for copy in range(cfg.dupe_factor):
+        keys = sample_keys(shard_seed(ctx.seed, ctx.shard, copy), 0, np.arange(len(labels)))
+        shuffled, permuted = permute_sentences(labels, starts, lengths, keys, cfg.denoising)
+        noised = text_infill(
+            shuffled, lengths, keys, cfg.denoising, sp.mask, sp.pad, ctx.random_ids
+        )
+        arrays = {
+            schema.INPUT_IDS: fixed(noised.input_ids, ctx.ids),
+            schema.LENGTH: pa.array(noised.lengths.astype(np.int32)),
+            schema.LABELS: fixed(labels, ctx.ids),
+            schema.DECODER_INPUT_IDS: fixed(decoder, ctx.ids),
+        }
+        tables.append(pa.table(arrays, schema=out_schema))
+        totals = _add(totals, _denoising_stats(lengths, noised, permuted, cfg.max_seq_length))
+    return pa.concat_tables(tables), totals
+
+
+def _denoising_stats(
+    lengths: np.ndarray, noised: InfillResult, permuted: np.ndarray, width: int
+) -> dict[str, int]:
+    """Counts of one denoising copy: tokens, noise, spans and their lengths, permuted rows."""
+    spans = noised.span_lengths[noised.span_lengths >= 0]
+    histogram = np.bincount(np.minimum(spans, _SPAN_HISTOGRAM), minlength=_SPAN_HISTOGRAM + 1)
+    return _token_stats(lengths, width) | {
+        "encoder_tokens": int(noised.lengths.sum()),
+        "content_tokens": int(lengths.sum()) - 2 * len(lengths),
+        "masked_tokens": int(noised.masked_tokens.sum()),
+        "noise_spans": int(noised.spans.sum()),
+        "inserted_spans": int(noised.inserted.sum()),
+        "noise_tokens": int(noised.noise_tokens.sum()),
+        "random_tokens": int(noised.random_tokens.sum()),
+        "permuted_rows": int(permuted.sum()),
+        **{f"span_length_{k}": int(histogram[k]) for k in range(_SPAN_HISTOGRAM)},
+        f"span_length_{_SPAN_HISTOGRAM}_or_more": int(histogram[_SPAN_HISTOGRAM]),
+    }
 
 
 def _token_stats(lengths: np.ndarray, width: int) -> dict[str, int]:

@@ -1,4 +1,7 @@
-"""Render a few examples as text for a person to eyeball: masks, segments, spans, sentinels."""
+"""Render a few examples as text for a person to eyeball: masks, segments, spans, sentinels.
+
+Also BART's noised inputs next to the original text.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ def render_examples(table: pa.Table, objective: str, tok: Tokenizer, count: int)
 
     Masked positions show as `[MASK→orig]`, `{random→orig}` or `(kept orig)`; segment B of a
     pair follows `‖`; causal blocks mark each document start with `¶`; span-corruption inputs
-    and targets are shown piece by piece, sentinels included.
+    and targets are shown piece by piece, sentinels included; denoising shows the noised input
+    (masks and shuffled sentences) above the original text.
     """
     rows = table.slice(0, count).to_pylist()
     out = []
@@ -30,6 +34,13 @@ def render_examples(table: pa.Table, objective: str, tok: Tokenizer, count: int)
             starts = set(row[schema.DOC_STARTS])
             shown = [("¶ " if i in starts else "") + p for i, p in enumerate(_pieces(tok, ids))]
             out.append(f"#{n} causal block, {len(starts)} document start(s)\n" + " ".join(shown))
+        elif objective == "denoising":
+            length = int(row[schema.LENGTH])
+            inputs = " ".join(_pieces(tok, ids[:length]))
+            labels = _pieces(tok, np.asarray(row[schema.LABELS]))
+            while labels and labels[-1] in ("<pad>", "[PAD]"):
+                labels.pop()
+            out.append(f"#{n} denoising\n  inputs: {inputs}\n  labels: {' '.join(labels)}")
         else:
             inputs = " ".join(_pieces(tok, ids))
             targets = " ".join(_pieces(tok, np.asarray(row[schema.LABELS])))

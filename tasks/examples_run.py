@@ -64,6 +64,12 @@ _NEEDS = {
     "roberta": ("cls", "sep", "mask"),
     "causal": ("eos",),
     "span_corruption": ("eos",),
+    "denoising": ("cls", "eos", "mask", "pad"),  # <s>, </s> (also the decoder start), mask, pad
+}
+_USE = {
+    "span_corruption": "tokenizer.family=unigram",
+    "denoising": "tokenizer.family=bpe with tokenizer.bpe_style=roberta, or "
+    "tokenizer.family=wordpiece",
 }
 
 
@@ -90,8 +96,7 @@ def objective_specials(
         raise ObjectiveMismatchError(
             f"examples.objective={objective} needs {missing}, which a {tok_cfg.family} "
             f"tokenizer ({tok_cfg.bpe_style if tok_cfg.family == 'bpe' else 'default'} style) "
-            "does not have; use "
-            + ("tokenizer.family=unigram" if objective == "span_corruption" else "wordpiece")
+            "does not have; use " + _USE.get(objective, "wordpiece")
         )
     pad = role.get("pad")
     if pad is None:
@@ -236,11 +241,12 @@ def run_examples(
     first = jobs[0].ctx if jobs else None
     length = cfg.block_size if cfg.objective == "causal" else cfg.max_seq_length
     targets = t5_raw_length(cfg)[1] if cfg.objective == "span_corruption" else 0
+    static_mlm = cfg.masking == "static" and cfg.objective in ("bert", "sop", "roberta")
     out_schema = schema.examples_schema(
         cfg.objective,
         length,
         ids_type,
-        labels=cfg.masking == "static" and cfg.objective in ("bert", "sop", "roberta"),
+        labels=static_mlm or cfg.objective == "denoising",
         targets_length=targets,
     )
     manifest = {
@@ -298,6 +304,15 @@ def realised(cfg: ExamplesConfig, counts: dict[str, int]) -> dict[str, float]:
     if cfg.objective == "span_corruption":
         stats["noise_density"] = ratio("noise_tokens", "raw_tokens")
         stats["mean_noise_span_length"] = ratio("noise_tokens", "noise_spans")
+    if cfg.objective == "denoising":
+        stats |= {
+            "mask_ratio": ratio("masked_tokens", "content_tokens"),
+            "mean_span_length": ratio("masked_tokens", "noise_spans"),  # 0-length ones included
+            "inserted_span_share": ratio("inserted_spans", "noise_spans"),
+            "random_token_share": ratio("random_tokens", "noise_tokens"),
+            "permuted_row_rate": ratio("permuted_rows", "examples"),
+            "encoder_length_ratio": ratio("encoder_tokens", "real_tokens"),
+        }
     return stats
 
 

@@ -79,6 +79,10 @@ def examples_schema(
     - causal: `input_ids` and `doc_starts` (positions inside the block where a document starts).
     - span_corruption: `input_ids` (encoder), `labels` (`targets_length` ids) and
       `decoder_input_ids` (the targets shifted right behind the decoder start token).
+    - denoising (BART): `input_ids` (`<s> noised </s>` then pad), `length` (real encoder
+      tokens, for the attention mask), `labels` (`<s> original </s>` then pad; pad is not
+      predicted) and `decoder_input_ids` (the labels shifted right behind `</s>`, BART's
+      decoder start token); labels and decoder inputs are as wide as the encoder input.
     """
 
     def vector(type_: pa.DataType, width: int = length) -> pa.DataType:
@@ -94,14 +98,15 @@ def examples_schema(
             pa.field(SOURCE_DOC, pa.int64(), nullable=False),
             pa.field(PAIR_DOC, pa.int64(), nullable=False),
         ]
-    elif objective == "roberta":
+    elif objective in ("roberta", "denoising"):
         fields.append(pa.field(LENGTH, pa.int32(), nullable=False))
     elif objective == "causal":
         fields.append(pa.field(DOC_STARTS, pa.list_(pa.int32()), nullable=False))
-    if objective == "span_corruption":
+    if objective in ("span_corruption", "denoising"):
+        width = targets_length if objective == "span_corruption" else length
         fields += [
-            pa.field(LABELS, vector(ids, targets_length), nullable=False),
-            pa.field(DECODER_INPUT_IDS, vector(ids, targets_length), nullable=False),
+            pa.field(LABELS, vector(ids, width), nullable=False),
+            pa.field(DECODER_INPUT_IDS, vector(ids, width), nullable=False),
         ]
     elif labels:  # static masking
         fields.append(pa.field(LABELS, vector(pa.int32()), nullable=False))

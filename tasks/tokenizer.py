@@ -27,6 +27,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from tokenizers import trainers as tk_trainers
 from transformers import PreTrainedTokenizerFast
 
+from tasks.language_sampling import LanguageSamplingConfig
+
 Family = Literal["wordpiece", "bpe", "unigram"]
 
 WORDPIECE_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -110,13 +112,35 @@ class TokenizerConfig(BaseModel):
         None,
         ge=1,
         description="Train on at most this many "
-        "documents (evenly spaced over the corpus); None: all.",
+        "documents (evenly spaced over the corpus); None: all. With language_sampling "
+        "(unit documents): the documents of the sampled mix.",
     )
     model_max_length: int = Field(512, ge=8, description="Maximum sequence length recorded.")
     padding_side: Literal["right", "left"] = Field("right", description="Padding side.")
     pretrained: PretrainedFiles | None = Field(
         None, description="Load these files instead of training."
     )
+    language_sampling: LanguageSamplingConfig | None = Field(
+        None,
+        description="Train on an XLM-R-style mix: language i drawn with share "
+        "p_i^alpha / sum p_j^alpha (docs/tokenizers.md); None: the corpus as it is.",
+    )
+
+    @model_validator(mode="after")
+    def _sampling_needs_training(self) -> TokenizerConfig:
+        sampling = self.language_sampling
+        if sampling is not None and self.pretrained is not None:
+            raise ValueError("language_sampling applies to training; `pretrained` loads files")
+        if (
+            sampling is not None
+            and sampling.unit == "characters"
+            and self.sample_documents is not None
+        ):
+            raise ValueError(
+                "with language_sampling.unit characters the budget is "
+                "language_sampling.sample_characters, not sample_documents"
+            )
+        return self
 
 
 def special_tokens(cfg: TokenizerConfig) -> list[str]:

@@ -156,11 +156,13 @@ def tiny_base_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 
 # The demo corpus cut into each objective's examples, once per session (pretraining and
 # reliability tests).
-_DEMO_TOKENIZER = {
-    "bert": "wordpiece",
-    "causal": "bpe",
-    "span_corruption": "unigram",
-    "roberta": "bpe",
+_DEMO_TOKENIZER: dict[str, dict[str, Any]] = {
+    "bert": {"family": "wordpiece"},
+    "sop": {"family": "wordpiece"},
+    "causal": {"family": "bpe"},
+    "span_corruption": {"family": "unigram"},
+    "roberta": {"family": "bpe"},
+    "denoising": {"family": "bpe", "bpe_style": "roberta"},
 }
 _DEMO_BUILT: dict[tuple[str, str], dict[str, Path]] = {}
 
@@ -189,8 +191,12 @@ class DemoData:
             root / "ws",
         ).path
 
-    def examples(self, objective: str, **overrides: Any) -> dict[str, Path]:
-        key = (objective, repr(sorted(overrides.items())))
+    def examples(
+        self, objective: str, tokenizer: dict[str, Any] | None = None, **overrides: Any
+    ) -> dict[str, Path]:
+        """The objective's examples (and its tokenizer: `tokenizer` or the objective's usual)."""
+        tok_args = tokenizer or _DEMO_TOKENIZER[objective]
+        key = (objective, repr(sorted(tok_args.items())), repr(sorted(overrides.items())))
         if key not in _DEMO_BUILT:
             from tasks.encode import EncodeConfig
             from tasks.encode_run import run_encode
@@ -199,8 +205,9 @@ class DemoData:
             from tasks.tokenizer import TokenizerConfig
             from tasks.tokenizer_run import run_tokenizer
 
-            family = _DEMO_TOKENIZER[objective]
-            tok_cfg = TokenizerConfig(family=family, vocab_size=1024, model_max_length=512)
+            tok_cfg = TokenizerConfig.model_validate(
+                {"vocab_size": 1024, "model_max_length": 512, **tok_args}
+            )
             ws = self.root / "ws"
             tokenizer = run_tokenizer(tok_cfg, self.ingest, ws).path
             encode = run_encode(EncodeConfig(), self.ray, self.ingest, tokenizer, ws).path

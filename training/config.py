@@ -11,6 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from training.distill import DistillConfig
+from training.electra import ElectraConfig
+from training.length_schedule import LengthSchedule
 from training.models import ModelConfig
 
 
@@ -110,6 +113,20 @@ class TrainConfig(BaseModel):
     document_masking: bool = Field(
         False, description="causal: restart positions and block attention at document starts."
     )
+    length_schedule: LengthSchedule | None = Field(
+        None,
+        description="Sequence length by step (training/length_schedule.py): `staged` stages or "
+        "`alternate` short and full-length steps; None trains at the examples' length.",
+    )
+    electra: ElectraConfig = Field(
+        default_factory=ElectraConfig,
+        description="model.family electra: the generator and the discriminator loss weight.",
+    )
+    distillation: DistillConfig | None = Field(
+        None,
+        description="model.family distilbert: distil from this BERT teacher (training/distill.py); "
+        "None trains DistilBERT with MLM alone.",
+    )
     optim: OptimConfig = Field(default_factory=OptimConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
     scale: ScaleConfig = Field(default_factory=ScaleConfig)
@@ -127,6 +144,15 @@ class TrainConfig(BaseModel):
         None, description="Registered model name; default <run name>-<family>."
     )
     alias: str = Field("candidate", description="Registry alias set on the new model version.")
+
+    @model_validator(mode="after")
+    def _distillation_needs_distilbert(self) -> TrainConfig:
+        if self.distillation is not None and self.model.family != "distilbert":
+            raise ValueError(
+                "train.distillation trains a DistilBERT student: set train.model.family to "
+                f"distilbert (it is {self.model.family})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _fp16_needs_gpu(self) -> TrainConfig:

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from tasks import schema
 from tasks.io import read_ipc_stream, safe_join, sha256_file
 from tasks.objectives import MaskConfig, mask_tokens, sample_keys, word_start_table
+from training.length_schedule import rows_at_length
 from training.packing import causal_document_mask, document_ids, document_positions
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,11 @@ class ExampleShards:
     def __len__(self) -> int:
         """Samples in the split."""
         return int(self.bounds[-1])
+
+    @property
+    def width(self) -> int:
+        """Tokens per row: the examples' full length (`max_seq_length`, `block_size`)."""
+        return int(self.columns[schema.INPUT_IDS][0].shape[1])
 
     def take(self, indices: np.ndarray) -> dict[str, Any]:
         """The rows at `indices` (global), in that order: (N, L) arrays and doc-start lists."""
@@ -204,16 +210,28 @@ class BatchBuilder:
     document_masking: bool = False
     mask_dtype: torch.dtype = torch.float32  # of the 4-D document mask (the compute dtype)
 
-    def __call__(self, rows: dict[str, Any], indices: np.ndarray, epoch: int) -> dict[str, Any]:
-        """The batch of `rows` (taken at global `indices`, in `epoch`)."""
+    def __call__(
+        self, rows: dict[str, Any], indices: np.ndarray, epoch: int, length: int | None = None
+    ) -> dict[str, Any]:
+        """The batch of `rows` (taken at global `indices`, in `epoch`), cut to `length` tokens.
+
+        `length` (`train.length_schedule`; None: the rows' own) cuts the rows before dynamic
+        masking, so no label lies past the cut; causal blocks become more, shorter blocks.
+        """
+        if length is not None:
+            rows = rows_at_length(rows, self.objective, length)
         ids = rows[schema.INPUT_IDS].astype(np.int64)  # (B, L)
         batch: dict[str, Any] = {}
         if self.objective == "causal":
             return self._causal(ids, rows)
-        if self.objective == "span_corruption":
+        if self.objective in ("span_corruption", "denoising"):
             batch[schema.LABELS] = rows[schema.LABELS].astype(np.int64)
             batch[schema.DECODER_INPUT_IDS] = rows[schema.DECODER_INPUT_IDS].astype(np.int64)
-            mask = np.ones_like(ids)
+            if schema.LENGTH in rows:  # BART rows are padded: mask the encoder's padding
+                lengths = rows[schema.LENGTH].astype(np.int64)
+                mask = (np.arange(ids.shape[1])[None, :] < lengths[:, None]).astype(np.int64)
+            else:  # T5 inputs are full (packed raw chunks)
+                mask = np.ones_like(ids)
         else:  # bert, sop, roberta: masked LM
             lengths = rows[schema.LENGTH].astype(np.int64)
             mask = (np.arange(ids.shape[1])[None, :] < lengths[:, None]).astype(np.int64)

@@ -29,11 +29,22 @@ class Engine(Protocol):
 
 
 def initialize_deepspeed(
-    model: torch.nn.Module, groups: list[dict[str, Any]], config: dict[str, Any]
+    model: torch.nn.Module,
+    groups: list[dict[str, Any]],
+    config: dict[str, Any],
+    zero3_leaves: list[type[torch.nn.Module]] | None = None,
 ) -> Any:
-    """A DeepSpeed engine over `model` with the optimizer `config` describes on `groups`."""
+    """A DeepSpeed engine over `model` with the optimizer `config` describes on `groups`.
+
+    `zero3_leaves`: module classes ZeRO-3 gathers whole instead of hooking their children
+    (a mixture of experts' sparse blocks, `training.pretraining_model.zero3_leaf_modules`).
+    """
     import deepspeed
 
+    if zero3_leaves:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, zero3_leaves)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     return engine
 

@@ -37,13 +37,14 @@ from training.intrinsic import (
     sentence_embeddings,
 )
 from training.metrics import compute_metrics, embedding_similarity_metrics
+from training.models import FAMILIES
 from training.prompting import PromptConfig, classify_by_prompting
 from training.report import html_page, markdown_table
 from training.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
 
 log = logging.getLogger(__name__)
 
-ENCODERS = ("bert", "roberta")
+ENCODERS = tuple(family for family, spec in FAMILIES.items() if spec.kind == "encoder")
 
 
 class EvaluateConfig(BaseModel):

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import yaml
@@ -27,8 +27,6 @@ from safetensors.torch import load_file
 from torch import Tensor
 from transformers import (
     AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForPreTraining,
     AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
@@ -39,28 +37,21 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from training.models import FAMILIES, PAD_OFFSET_POSITIONS, Family
+
 log = logging.getLogger(__name__)
 
-ModelFamily = Literal["bert", "roberta", "gpt2", "llama", "t5"]
+ModelFamily = Family
 
 # The Auto class that reloads each family's pretraining head from an export.
-AUTO_CLASSES: dict[str, Any] = {
-    "bert": AutoModelForPreTraining,
-    "roberta": AutoModelForMaskedLM,
-    "gpt2": AutoModelForCausalLM,
-    "llama": AutoModelForCausalLM,
-    "t5": AutoModelForSeq2SeqLM,
-}
-# transformers 5 has no text2text-generation pipeline; T5 serves as text-generation
+AUTO_CLASSES: dict[str, Any] = {family: spec.auto for family, spec in FAMILIES.items()}
+# transformers 5 has no text2text-generation pipeline; T5 and BART serve as text-generation
 # (STACK_NOTES §3, §4).
 PIPELINE_TASKS: dict[str, str] = {
-    "bert": "fill-mask",
-    "roberta": "fill-mask",
-    "gpt2": "text-generation",
-    "llama": "text-generation",
-    "t5": "text-generation",
+    family: "fill-mask" if spec.kind == "encoder" else "text-generation"
+    for family, spec in FAMILIES.items()
 }
-GENERATIVE = frozenset({"gpt2", "llama", "t5"})
+GENERATIVE = frozenset(family for family, spec in FAMILIES.items() if spec.kind != "encoder")
 # Fine-tuned exports (keyed by downstream task type, tasks/schema.py): the Auto class that
 # reloads them and the MLflow/transformers pipeline task they serve.
 TASK_AUTO_CLASSES: dict[str, Any] = {
@@ -220,7 +211,7 @@ def max_length(model: PreTrainedModel, default: int) -> int:
     positions = getattr(config, "max_position_embeddings", None)
     if positions is None:
         return default
-    if config.model_type == "roberta":  # position ids start after the padding index
+    if config.model_type in PAD_OFFSET_POSITIONS:  # position ids start after the padding index
         return int(positions) - int(config.pad_token_id) - 1
     return int(positions)
 

@@ -21,9 +21,10 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.io import fingerprint, flatten, sha256_file, source_hash, write_json_atomic
 from tasks.ray_runtime import RayConfig
-from training.finetune_config import BaseModelRef, FinetuneConfig
+from training.finetune_config import FinetuneConfig
 from training.finetune_loop import FinetuneJob, finetune_loop_per_worker
 from training.finetune_outputs import EXPORT_DIR, RESULT_FILE
+from training.model_ref import BaseModelRef, resolve_base_model
 from training.registry import register_export
 from training.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
 from training.trainer import fit_on_ray
@@ -195,29 +196,6 @@ def _publish(
         run.export_dir, family, uri, mlflow_run, name, cfg.alias, tags, task["task_type"]
     )
     return {"model_name": ref.name, "model_version": ref.version, "model_uri": ref.model_uri}
-
-
-def resolve_base_model(
-    ref: BaseModelRef, tracking_uri: str | None, workspace: Path
-) -> tuple[Path, dict[str, str]]:
-    """The base model's local directory and the lineage tags that name it.
-
-    A registry reference is downloaded once to `<workspace>/models/<name>-v<version>/`.
-
-    Raises:
-        ValueError: a registry reference without a tracking URI.
-    """
-    if ref.path is not None:
-        return ref.path, {"base_model_path": str(ref.path.resolve())}
-    if tracking_uri is None or ref.registry_name is None:
-        raise ValueError("finetune.base.registry_name needs MLflow tracking (tracking.enabled)")
-    from training.registry import download_model, resolve_version
-
-    version = resolve_version(tracking_uri, ref.registry_name, ref.version)
-    dst = (workspace / "models" / f"{version.name}-v{version.version}").resolve()
-    if not (dst / "config.json").is_file():
-        download_model(tracking_uri, version, dst)
-    return dst, {"base_model_name": version.name, "base_model_version": version.version}
 
 
 @task(name="finetune", cache_policy=NO_CACHE)

@@ -7,7 +7,6 @@ their own modules, composed here.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -15,28 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from training.config import ScaleConfig
 from training.features import FeatureConfig
 from training.generation import GenerationSettings
+from training.model_ref import BaseModelRef
 from training.strategies import StrategyConfig
-
-
-class BaseModelRef(BaseModel):
-    """Where the model to fine-tune comes from: a local HF directory or a registry version."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    path: Path | None = Field(
-        None, description="A local Hugging Face model directory (safetensors weights only)."
-    )
-    registry_name: str | None = Field(
-        None, description="A registered MLflow model name, e.g. demo-bert."
-    )
-    version: str = Field(
-        "candidate", description="Registry alias or version number of `registry_name`."
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> BaseModelRef:
-        if (self.path is None) == (self.registry_name is None):
-            raise ValueError("set exactly one of `path` and `registry_name`")
-        return self
 
 
 class StoppingConfig(BaseModel):

@@ -20,15 +20,30 @@ import transformers as tf
 from torch import Tensor, nn
 
 from tasks import schema
+from training.distill import DistillationModel
+from training.electra import ElectraPretrainer, corrupt
 from training.models import family_of, model_class
 
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 IGNORE_INDEX = -100  # labels of positions that are not predicted
 MLM_OBJECTIVES = ("bert", "sop", "roberta")
+SEQ2SEQ_OBJECTIVES = {"span_corruption": "span", "denoising": "denoise"}
 PAIR_LABELS = {"bert": schema.NEXT_SENTENCE_LABEL, "sop": schema.SENTENCE_ORDER_LABEL}
 _PAIR_NAMES = {"bert": "nsp", "sop": "sop"}
-# Token-level losses: (part name, key of its token count). Pair losses count in "pair_total".
+#: (MLM head, pair head) of the families that train a sentence-pair objective.
+_PAIR_HEADS = {
+    "bert": ("cls.predictions", "cls.seq_relationship"),
+    "albert": ("predictions", "sop_classifier"),
+}
+#: The module that maps encoder hidden states to MLM logits (DistilBERT's is split in four).
+_MLM_HEADS = {
+    "roberta": "lm_head",
+    "xlm-roberta": "lm_head",
+    "longformer": "lm_head",
+    "deberta-v2": "cls",
+    "big_bird": "cls",
+}
 #: The vocabulary projection of each family (tied to the input embedding except for llama).
 _OUTPUT_LAYER = {
     "bert": "cls.predictions.decoder",
@@ -36,8 +51,30 @@ _OUTPUT_LAYER = {
     "gpt2": "lm_head",
     "llama": "lm_head",
     "t5": "lm_head",
+    "albert": "predictions.decoder",
+    "distilbert": "vocab_projector",
+    "electra": "discriminator_predictions.dense_prediction",
+    "deberta-v2": "cls.predictions.decoder",
+    "bart": "lm_head",
+    "mistral": "lm_head",
+    "mixtral": "lm_head",
+    "xlm-roberta": "lm_head.decoder",
+    "longformer": "lm_head.decoder",
+    "big_bird": "cls.predictions.decoder",
 }
-_TOKEN_LOSSES = (("mlm", "mlm_total"), ("lm", "lm_tokens"), ("span", "span_tokens"))
+# Token-level losses: (part name, key of its token count). Pair losses count in "pair_total".
+# The first present one is the perplexity's.
+_TOKEN_LOSSES = (
+    ("mlm", "mlm_total"),
+    ("lm", "lm_tokens"),
+    ("span", "span_tokens"),
+    ("denoise", "denoise_tokens"),
+    ("rtd", "rtd_total"),
+    ("kd", "mlm_total"),
+    ("cos", "cos_total"),
+)
+#: Per-batch parts whose mean is not a token average (Mixtral's router balance loss).
+_BATCH_LOSSES = (("aux", "aux_batches"),)
 
 
 @dataclass(frozen=True)
@@ -60,7 +97,7 @@ class StepOutput:
 
 
 def pretraining_loss(
-    model: tf.PreTrainedModel,
+    model: nn.Module,
     objective: str,
     batch: Mapping[str, Tensor],
     sparse_mlm: bool = True,
@@ -68,8 +105,9 @@ def pretraining_loss(
     """Run `model` on `batch` and return the objective's loss and statistics.
 
     Args:
-        model: A model from `training.models.build_model` for this objective.
-        objective: bert, sop, roberta, causal or span_corruption.
+        model: A model from `training.pretraining_model.build_pretraining_model` for this
+            objective: a transformers model, an `ElectraPretrainer` or a `DistillationModel`.
+        objective: bert, sop, roberta, causal, span_corruption or denoising.
         batch: int64 tensors by column name; MLM batches must hold `labels` (-100 = not
             predicted), so dynamic masking happens before this call.
         sparse_mlm: Apply the MLM head only at the masked positions (False: at every position,
@@ -79,15 +117,50 @@ def pretraining_loss(
         ValueError: unknown objective.
         KeyError: the batch lacks a column the objective needs.
     """
+    if isinstance(model, ElectraPretrainer):
+        return _electra_loss(model, batch)
+    if isinstance(model, DistillationModel):
+        return _distill_loss(model, batch, sparse_mlm)
+    assert isinstance(model, tf.PreTrainedModel)
     if objective in PAIR_LABELS:
-        return _bert_loss(model, objective, batch, sparse_mlm)
+        return _pair_loss(model, objective, batch, sparse_mlm)
     if objective == "roberta":
-        return _roberta_loss(model, batch, sparse_mlm)
+        return _mlm_loss(model, batch, sparse_mlm)
     if objective == "causal":
         return _causal_loss(model, batch)
-    if objective == "span_corruption":
-        return _span_loss(model, batch)
+    if objective in SEQ2SEQ_OBJECTIVES:
+        return _seq2seq_loss(model, SEQ2SEQ_OBJECTIVES[objective], batch)
     raise ValueError(f"unknown objective {objective!r}")
+
+
+def exported_model(model: nn.Module) -> tf.PreTrainedModel:
+    """The part of a pretraining model that is exported: ELECTRA's discriminator, the student."""
+    if isinstance(model, ElectraPretrainer):
+        return model.discriminator
+    if isinstance(model, DistillationModel):
+        return model.student
+    assert isinstance(model, tf.PreTrainedModel)
+    return model
+
+
+def export_loss(
+    model: nn.Module, objective: str, batch: Mapping[str, Tensor], sparse_mlm: bool = True
+) -> Tensor:
+    """The loss an export alone reproduces on a fixed batch (the reload check compares it).
+
+    The full pretraining loss for a plain model; the student's MLM loss for distillation (no
+    teacher in the export); for ELECTRA the discriminator's replaced-token loss on the
+    uncorrupted batch (no generator in the export), every real token labelled original.
+    """
+    exported = exported_model(model)
+    if isinstance(exported, tf.ElectraForPreTraining):
+        _require(batch, schema.INPUT_IDS, schema.LABELS)
+        original = torch.where(
+            batch[schema.LABELS] != IGNORE_INDEX, batch[schema.LABELS], batch[schema.INPUT_IDS]
+        )
+        loss, _ = _rtd(exported, original, torch.zeros_like(original).float(), batch)
+        return loss
+    return pretraining_loss(exported, objective, batch, sparse_mlm).loss
 
 
 def _require(batch: Mapping[str, Tensor], *names: str) -> None:
@@ -131,10 +204,10 @@ def _step(
 
 
 def _mlm_logits(
-    model: tf.PreTrainedModel, head: str, hidden: Tensor, labels: Tensor, sparse: bool
+    model: tf.PreTrainedModel, head: str | nn.Module, hidden: Tensor, labels: Tensor, sparse: bool
 ) -> tuple[Tensor, Tensor]:
     """MLM logits and their targets: (M, V), (M,) at masked positions, or (B·T, V), (B·T,)."""
-    predict = model.get_submodule(head)
+    predict = model.get_submodule(head) if isinstance(head, str) else head
     if not sparse:
         logits = predict(hidden)  # (B, T, V)
         return logits.flatten(0, 1), labels.flatten()
@@ -145,38 +218,149 @@ def _mlm_logits(
     return predict(hidden[selected]), labels[selected]  # (M, V), (M,)
 
 
-def _bert_loss(
+def _pair_loss(
     model: tf.PreTrainedModel, objective: str, batch: Mapping[str, Tensor], sparse: bool
 ) -> StepOutput:
-    """Masked LM plus the binary pair head (NSP for bert, SOP for sop) of BertForPreTraining."""
+    """Masked LM plus the binary pair head: BERT's NSP/SOP head, ALBERT's SOP classifier."""
     pair_key = PAIR_LABELS[objective]
     _require(batch, schema.INPUT_IDS, schema.TOKEN_TYPE_IDS, schema.LABELS, pair_key)
+    mlm_head, pair_head = _PAIR_HEADS[family_of(model.config)]
     out = model.base_model(
         input_ids=batch[schema.INPUT_IDS],
         attention_mask=batch.get(ATTENTION_MASK),
         token_type_ids=batch[schema.TOKEN_TYPE_IDS],
     )
     hidden = out.last_hidden_state  # (B, T, D)
-    logits, targets = _mlm_logits(model, "cls.predictions", hidden, batch[schema.LABELS], sparse)
+    logits, targets = _mlm_logits(model, mlm_head, hidden, batch[schema.LABELS], sparse)
     mlm, counts = _token_loss(logits, targets, "mlm", "mlm_total")
-    pair_logits = model.get_submodule("cls.seq_relationship")(out.pooler_output)  # (B, 2)
+    pair_logits = model.get_submodule(pair_head)(out.pooler_output)  # (B, 2)
     name = _PAIR_NAMES[objective]
     pair, pair_counts = _token_loss(pair_logits, batch[pair_key].long(), name, "pair_total")
     return _step({"mlm": mlm, name: pair}, counts | pair_counts, batch)
 
 
-def _roberta_loss(
-    model: tf.PreTrainedModel, batch: Mapping[str, Tensor], sparse: bool
-) -> StepOutput:
-    """Masked LM only (RobertaForMaskedLM has no pooler and no pair head)."""
-    _require(batch, schema.INPUT_IDS, schema.LABELS)
-    out = model.base_model(
-        input_ids=batch[schema.INPUT_IDS], attention_mask=batch.get(ATTENTION_MASK)
+def _distilbert_head(model: tf.DistilBertForMaskedLM) -> nn.Module:
+    """DistilBERT's MLM head (transform, activation, LayerNorm, projection) as one module."""
+    return nn.Sequential(
+        model.vocab_transform, model.activation, model.vocab_layer_norm, model.vocab_projector
     )
+
+
+def mlm_hidden_and_logits(
+    model: tf.PreTrainedModel, batch: Mapping[str, Tensor], sparse: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Last hidden states (B, T, D) and MLM logits and targets of any single-segment encoder."""
+    _require(batch, schema.INPUT_IDS, schema.LABELS)
+    ids = batch[schema.INPUT_IDS]
+    extra = {}
+    if isinstance(model, tf.LongformerForMaskedLM):
+        # Global attention on the first token (<s>), so the global projections a fine-tuned
+        # classifier uses for it are trained too; every other token attends locally.
+        extra["global_attention_mask"] = F.pad(
+            torch.ones_like(ids[:, :1]), (0, ids.shape[1] - 1), value=0
+        )
+    out = model.base_model(input_ids=ids, attention_mask=batch.get(ATTENTION_MASK), **extra)
     hidden = out.last_hidden_state  # (B, T, D)
-    logits, targets = _mlm_logits(model, "lm_head", hidden, batch[schema.LABELS], sparse)
+    head: nn.Module | str
+    if isinstance(model, tf.DistilBertForMaskedLM):
+        head = _distilbert_head(model)
+    elif isinstance(model, tf.ElectraForMaskedLM):  # ELECTRA's generator
+        head = nn.Sequential(model.generator_predictions, model.generator_lm_head)
+    else:
+        head = _MLM_HEADS[family_of(model.config)]
+    logits, targets = _mlm_logits(model, head, hidden, batch[schema.LABELS], sparse)
+    return hidden, logits, targets
+
+
+def _mlm_loss(model: tf.PreTrainedModel, batch: Mapping[str, Tensor], sparse: bool) -> StepOutput:
+    """Masked LM only (RoBERTa, XLM-R, DistilBERT, DeBERTa, Longformer, BigBird)."""
+    _, logits, targets = mlm_hidden_and_logits(model, batch, sparse)
     mlm, counts = _token_loss(logits, targets, "mlm", "mlm_total")
     return _step({"mlm": mlm}, counts, batch)
+
+
+def _rtd(
+    discriminator: tf.ElectraForPreTraining,
+    input_ids: Tensor,
+    labels: Tensor,
+    batch: Mapping[str, Tensor],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Replaced-token detection: mean binary cross-entropy over the real tokens, and its sums."""
+    mask = batch.get(ATTENTION_MASK)
+    real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+    logits = discriminator(input_ids=input_ids, attention_mask=mask).logits  # (B, T)
+    nll = F.binary_cross_entropy_with_logits(logits.float()[real], labels[real], reduction="sum")
+    total = real.sum()
+    with torch.no_grad():
+        correct = ((logits[real] > 0).float() == labels[real]).sum()
+    counts = {"rtd_nll": nll.detach(), "rtd_correct": correct, "rtd_total": total}
+    return nll / total.clamp(min=1), counts
+
+
+def _electra_loss(model: ElectraPretrainer, batch: Mapping[str, Tensor]) -> StepOutput:
+    """Generator MLM + `rtd_weight` x discriminator RTD on the generator's samples.
+
+    In eval mode the samples use a fixed seed, so held-out losses are comparable over steps.
+    `parts` and the metrics hold both losses unweighted; `loss` is the weighted sum trained on.
+    """
+    generator = model.generator
+    _, logits, targets = mlm_hidden_and_logits(generator, batch, sparse=True)
+    mlm, counts = _token_loss(logits, targets, "mlm", "mlm_total")
+    rng = None
+    if not model.training:
+        rng = torch.Generator(device=logits.device).manual_seed(0x5EED)
+    sample = corrupt(batch[schema.INPUT_IDS], batch[schema.LABELS], logits, model.temperature, rng)
+    rtd, rtd_counts = _rtd(model.discriminator, sample.input_ids, sample.labels, batch)
+    out = _step({"mlm": mlm, "rtd": rtd}, counts | rtd_counts, batch)
+    return StepOutput(mlm + model.rtd_weight * rtd, out.parts, out.counts)
+
+
+def _distill_loss(
+    model: DistillationModel, batch: Mapping[str, Tensor], sparse: bool
+) -> StepOutput:
+    """DistilBERT's triple loss (Sanh et al. 2019), weighted by `train.distillation`.
+
+    alpha_kd x T^2 x KL(teacher || student) at the masked positions, plus alpha_mlm x the
+    student's MLM loss, plus alpha_cos x (1 - cosine) of the last hidden states at real tokens.
+    """
+    cfg = model.settings
+    hidden, logits, targets = mlm_hidden_and_logits(model.student, batch, sparse)
+    mlm, counts = _token_loss(logits, targets, "mlm", "mlm_total")
+    teacher = model.teacher
+    with torch.no_grad():
+        t_out = teacher.bert(
+            input_ids=batch[schema.INPUT_IDS], attention_mask=batch.get(ATTENTION_MASK)
+        )
+        t_logits, _ = _mlm_logits(
+            teacher, "cls.predictions", t_out.last_hidden_state, batch[schema.LABELS], sparse
+        )
+    selected = targets != IGNORE_INDEX  # (M,) or (B·T,)
+    temp = cfg.temperature
+    s_log = F.log_softmax(logits[selected].float() / temp, dim=-1)
+    t_prob = F.softmax(t_logits[selected].float() / temp, dim=-1)
+    kd_sum = F.kl_div(s_log, t_prob, reduction="sum") * temp**2
+    total = counts["mlm_total"]
+    kd = kd_sum / total.clamp(min=1)
+    mask = batch.get(ATTENTION_MASK)
+    real = (
+        torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+        if mask is None or mask.dim() != 2
+        else mask.bool()
+    )
+    cosine = F.cosine_similarity(hidden[real].float(), t_out.last_hidden_state[real].float(), -1)
+    cos_sum = (1.0 - cosine).sum()
+    cos_total = real.sum()
+    cos = cos_sum / cos_total.clamp(min=1)
+    counts |= {
+        "kd_nll": kd_sum.detach(),
+        "kd_correct": ((logits[selected].argmax(-1) == t_logits[selected].argmax(-1)).sum()),
+        "cos_nll": cos_sum.detach(),
+        "cos_correct": (cosine > 0.9).sum(),
+        "cos_total": cos_total,
+    }
+    out = _step({"mlm": mlm, "kd": kd, "cos": cos}, counts, batch)
+    loss = cfg.alpha_kd * kd + cfg.alpha_mlm * mlm + cfg.alpha_cos * cos
+    return StepOutput(loss, out.parts, out.counts)
 
 
 def _model_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -202,20 +386,34 @@ def causal_logits(model: tf.PreTrainedModel, batch: Mapping[str, Tensor]) -> Ten
     only to earlier tokens of its own document. Without one, a 2-D mask gives plain causal
     attention over the whole block.
     """
+    return _causal_forward(model, batch, router_loss=False)[0]
+
+
+def _causal_forward(
+    model: tf.PreTrainedModel, batch: Mapping[str, Tensor], router_loss: bool
+) -> tuple[Tensor, Tensor | None]:
+    """`causal_logits`, plus the router's load-balancing loss of a mixture of experts."""
     _require(batch, schema.INPUT_IDS)
+    extra = {"output_router_logits": True} if router_loss else {}
     out = model(
         input_ids=batch[schema.INPUT_IDS],
         attention_mask=_model_mask(batch.get(ATTENTION_MASK), model.dtype),
         position_ids=batch.get(POSITION_IDS),
         use_cache=False,  # training: no KV cache (and none under activation checkpointing)
+        **extra,
     )
     logits: Tensor = out.logits
-    return logits
+    return logits, getattr(out, "aux_loss", None) if router_loss else None
 
 
 def _causal_loss(model: tf.PreTrainedModel, batch: Mapping[str, Tensor]) -> StepOutput:
-    """Next-token loss at every position of the block (padding excluded)."""
-    logits = causal_logits(model, batch)  # (B, T, V)
+    """Next-token loss at every position of the block (padding excluded).
+
+    A sparse mixture of experts (Mixtral) adds its router's load-balancing loss times
+    `router_aux_loss_coef` as the part `aux`, so the experts stay in use.
+    """
+    moe = isinstance(model.config, tf.MixtralConfig)
+    logits, aux = _causal_forward(model, batch, router_loss=moe)  # (B, T, V)
     labels = batch[schema.INPUT_IDS]  # (B, T)
     mask = batch.get(ATTENTION_MASK)
     if mask is not None and mask.dim() == 2:
@@ -223,11 +421,19 @@ def _causal_loss(model: tf.PreTrainedModel, batch: Mapping[str, Tensor]) -> Step
     # Shift the labels, not the logits (as transformers' ForCausalLMLoss): no (B, T, V) copy.
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # (B, T): token t + 1
     lm, counts = _token_loss(logits.flatten(0, 1), targets.flatten(), "lm", "lm_tokens")
-    return _step({"lm": lm}, counts, batch)
+    if aux is None:
+        return _step({"lm": lm}, counts, batch)
+    aux = aux * float(model.config.router_aux_loss_coef)
+    counts |= {"aux_nll": aux.detach(), "aux_batches": torch.ones((), device=aux.device)}
+    return _step({"lm": lm, "aux": aux}, counts, batch)
 
 
-def _span_loss(model: tf.PreTrainedModel, batch: Mapping[str, Tensor]) -> StepOutput:
-    """T5 span corruption: decoder cross-entropy on the targets (pad ids not predicted)."""
+def _seq2seq_loss(model: tf.PreTrainedModel, name: str, batch: Mapping[str, Tensor]) -> StepOutput:
+    """T5 span corruption or BART denoising: decoder cross-entropy on the targets.
+
+    Pad ids in `labels` are not predicted; the encoder's padding is masked by
+    `attention_mask`.
+    """
     _require(batch, schema.INPUT_IDS, schema.DECODER_INPUT_IDS, schema.LABELS)
     out = model(
         input_ids=batch[schema.INPUT_IDS],
@@ -240,8 +446,8 @@ def _span_loss(model: tf.PreTrainedModel, batch: Mapping[str, Tensor]) -> StepOu
     pad = model.config.pad_token_id
     if pad is not None:
         labels = labels.masked_fill(labels == pad, IGNORE_INDEX)
-    span, counts = _token_loss(logits.flatten(0, 1), labels.flatten(), "span", "span_tokens")
-    return _step({"span": span}, counts, batch)
+    loss, counts = _token_loss(logits.flatten(0, 1), labels.flatten(), name, f"{name}_tokens")
+    return _step({name: loss}, counts, batch)
 
 
 def eval_metrics(sums: Mapping[str, float]) -> dict[str, float]:
@@ -250,11 +456,15 @@ def eval_metrics(sums: Mapping[str, float]) -> dict[str, float]:
     Every average is over tokens (or sentence pairs), not over batches:
 
     - `<part>_loss` = Σ `<part>_nll` / Σ total, for part mlm (total `mlm_total`, masked
-      tokens), lm (`lm_tokens`, predicted next tokens), span (`span_tokens`, target tokens),
-      nsp / sop (`pair_total`, pairs).
-    - `<part>_accuracy` = Σ `<part>_correct` / Σ total: argmax equals the label.
-    - `perplexity` = exp(token loss), the mlm, lm or span loss (inf past exp's range).
-    - `loss` = the sum of the part losses, as in training (BERT: mlm_loss + nsp_loss).
+      tokens), lm (`lm_tokens`, predicted next tokens), span / denoise (`span_tokens` /
+      `denoise_tokens`, target tokens), nsp / sop (`pair_total`, pairs), rtd (`rtd_total`,
+      real tokens the ELECTRA discriminator labels), kd (`mlm_total`) and cos (`cos_total`,
+      real tokens) of distillation, aux (`aux_batches`: Mixtral's router loss, per batch).
+    - `<part>_accuracy` = Σ `<part>_correct` / Σ total: argmax equals the label (kd: the
+      student's argmax equals the teacher's; cos: cosine above 0.9; none for aux).
+    - `perplexity` = exp(the first token loss: mlm, lm, span or denoise; inf past exp's range).
+    - `loss` = the sum of the part losses (BERT: mlm_loss + nsp_loss). ELECTRA and
+      distillation train on a weighted sum; their `loss` here is unweighted.
 
     Parts whose total is absent or 0 are left out.
     """
@@ -266,6 +476,10 @@ def eval_metrics(sums: Mapping[str, float]) -> dict[str, float]:
             continue
         metrics[f"{name}_loss"] = sums[f"{name}_nll"] / total
         metrics[f"{name}_accuracy"] = sums.get(f"{name}_correct", 0.0) / total
+    for name, total_key in _BATCH_LOSSES:
+        total = sums.get(total_key, 0.0)
+        if f"{name}_nll" in sums and total > 0:
+            metrics[f"{name}_loss"] = sums[f"{name}_nll"] / total
     token_losses = [
         metrics[f"{name}_loss"] for name, _ in _TOKEN_LOSSES if f"{name}_loss" in metrics
     ]
@@ -292,18 +506,25 @@ def flops_per_token(
     mlm_probability: float = 0.15,
     sparse_mlm: bool = True,
     target_len: int | None = None,
+    generator: tf.PreTrainedConfig | None = None,
+    teacher: tf.PreTrainedConfig | None = None,
 ) -> float:
     """Training FLOPs (forward + backward) per input token, for MFU (docs/models.md).
 
-    PaLM appendix B / Megatron convention: 6·N + 12·L·A·T, where N counts the non-embedding
-    parameters, L layers, A = heads * head width and T = `seq_len`, with the causal mask not
-    halving the attention term. The vocabulary projection (6·d·V per predicted token) is
-    counted apart: at `mlm_probability` of the positions for sparse MLM, at all of them
-    otherwise. T5 counts per encoder token: the decoder runs `target_len / seq_len` tokens per
-    encoder token, with self-attention over `target_len` and cross-attention over `seq_len`.
+    PaLM appendix B / Megatron convention: 6·N + 12·L·A·C, where N counts the non-embedding
+    parameters a token passes through, L layers, A = heads * head width and C the tokens each
+    one attends to: `seq_len`, or less for local attention (Mistral's sliding window,
+    Longformer's window, BigBird's blocks), the causal mask not halving it. N counts ALBERT's
+    shared layers once per use and a mixture of experts' experts at top-k / experts. The
+    vocabulary projection (6·d·V per predicted token) is counted apart: at `mlm_probability` of
+    the positions for sparse MLM, at all of them otherwise. Seq2seq (T5, BART) counts per
+    encoder token: the decoder runs `target_len / seq_len` tokens per encoder token, with
+    self-attention over `target_len` and cross-attention over `seq_len`. ELECTRA adds its
+    `generator` (sparse MLM); distillation adds the `teacher`'s forward pass (a third of its
+    training FLOPs).
 
     Raises:
-        ValueError: span_corruption without `target_len`.
+        ValueError: a seq2seq objective without `target_len`.
     """
     family = family_of(model_config)
     with torch.device("meta"):  # shapes only: no memory, no initialisation
@@ -313,17 +534,73 @@ def flops_per_token(
     output = projection.weight  # (V, d)
     head = 6.0 * output.numel()
     width = float(model_config.num_attention_heads * _head_dim(model_config))
-    if objective != "span_corruption":
+    extra = 0.0
+    if generator is not None:
+        extra += flops_per_token(
+            generator, seq_len, "roberta", mlm_probability=mlm_probability, sparse_mlm=True
+        )
+    if teacher is not None:
+        teacher_mlm = flops_per_token(
+            teacher, seq_len, "roberta", mlm_probability=mlm_probability, sparse_mlm=sparse_mlm
+        )
+        extra += teacher_mlm / 3.0
+    if objective not in SEQ2SEQ_OBJECTIVES:
         predicted = mlm_probability if objective in MLM_OBJECTIVES and sparse_mlm else 1.0
-        attention = 12.0 * int(model_config.num_hidden_layers) * width * seq_len
-        return 6.0 * _body_parameters(model, output) + attention + head * predicted
+        if family == "electra":
+            predicted = 1.0  # the discriminator labels every token
+        context = _attended(model_config, seq_len)
+        attention = 12.0 * int(model_config.num_hidden_layers) * width * context
+        return 6.0 * _compute_parameters(model, output) + attention + head * predicted + extra
     if target_len is None:
-        raise ValueError("flops_per_token for span_corruption needs target_len")
-    encoder = 6.0 * _body_parameters(model.get_submodule("encoder"), output)
-    encoder += 12.0 * int(model_config.num_layers) * width * seq_len
-    decoder = 6.0 * _body_parameters(model.get_submodule("decoder"), output) + head
-    decoder += 12.0 * int(model_config.num_decoder_layers) * width * (target_len + seq_len)
+        raise ValueError(f"flops_per_token for {objective} needs target_len")
+    prefix = "model." if family == "bart" else ""
+    layers = (
+        (int(model_config.num_layers), int(model_config.num_decoder_layers))
+        if family == "t5"
+        else (int(model_config.encoder_layers), int(model_config.decoder_layers))
+    )
+    encoder = 6.0 * _body_parameters(model.get_submodule(f"{prefix}encoder"), output)
+    encoder += 12.0 * layers[0] * width * seq_len
+    decoder = 6.0 * _body_parameters(model.get_submodule(f"{prefix}decoder"), output) + head
+    decoder += 12.0 * layers[1] * width * (target_len + seq_len)
     return encoder + decoder * target_len / seq_len
+
+
+def _compute_parameters(model: nn.Module, output: Tensor) -> float:
+    """Non-embedding parameters one token passes through (ALBERT reuse, MoE top-k)."""
+    total = float(_body_parameters(model, output))
+    config = model.config
+    if isinstance(config, tf.AlbertConfig):  # each layer group runs L / G times
+        groups = model.get_submodule("albert.encoder.albert_layer_groups")
+        shared = sum(p.numel() for p in groups.parameters())
+        total += shared * (config.num_hidden_layers / config.num_hidden_groups - 1)
+    if isinstance(config, tf.MixtralConfig):  # a token runs top-k of the experts
+        experts = sum(
+            p.numel()
+            for name, module in model.named_modules()
+            if name.endswith("mlp.experts")
+            for p in module.parameters()
+        )
+        total -= experts * (1 - config.num_experts_per_tok / config.num_local_experts)
+    return total
+
+
+def _attended(config: tf.PreTrainedConfig, seq_len: int) -> int:
+    """Tokens one query attends to: `seq_len`, or the local window of sparse attention."""
+    if isinstance(config, tf.LongformerConfig):
+        windows = config.attention_window
+        window = max(windows) if isinstance(windows, list) else int(windows)
+        return min(seq_len, window + 1)
+    if isinstance(config, tf.BigBirdConfig) and config.attention_type == "block_sparse":
+        # 3 sliding + 2 global + r random blocks, once the sequence is long enough to be sparse
+        blocks = 5 + int(config.num_random_blocks)
+        if seq_len > (blocks + 2 + int(config.num_random_blocks)) * int(config.block_size):
+            return blocks * int(config.block_size)
+        return seq_len
+    sliding = getattr(config, "sliding_window", None)  # Mistral, Mixtral
+    if isinstance(sliding, int) and sliding > 0:
+        return min(seq_len, sliding)
+    return seq_len
 
 
 def _head_dim(config: tf.PreTrainedConfig) -> int:

@@ -36,10 +36,19 @@ from training.data import (
     read_manifest,
 )
 from training.deepspeed import deepspeed_config, param_groups
+from training.distill import DistillationModel
+from training.electra import ElectraPretrainer
 from training.engine import initialize_deepspeed
-from training.forward import flops_per_token, pretraining_loss
+from training.forward import (
+    SEQ2SEQ_OBJECTIVES,
+    export_loss,
+    exported_model,
+    flops_per_token,
+    pretraining_loss,
+)
 from training.guard import LossGuard
-from training.models import build_model
+from training.length_schedule import check_length_schedule, length_at
+from training.pretraining_model import build_pretraining_model, zero3_leaf_modules
 from training.schedule import GroupLRSchedule
 from training.telemetry import StepMeter, Telemetry
 
@@ -59,6 +68,7 @@ class WorkerJob(BaseModel):
     run_id: str | None = None
     stop_at_step: int | None = None  # end this attempt after that step, with a checkpoint
     fault: faults.FaultPlan | None = None  # the reliability suite's injected SIGKILL
+    teacher_dir: Path | None = None  # distillation: the resolved local teacher
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -104,14 +114,22 @@ class Worker:
             "block_size" if self.objective == "causal" else "max_seq_length"
         ]
         specials = manifest["specials"]
-        model = build_model(
-            self.cfg.model, self.objective, specials["vocab_size"], specials, length
+        model = build_pretraining_model(
+            self.cfg,
+            self.objective,
+            specials["vocab_size"],
+            specials,
+            length,
+            job.teacher_dir,
+            job.tokenizer_dir,
         )
         self.ds_config = deepspeed_config(self.cfg, ctx.world_size)
+        leaves = zero3_leaf_modules(model) if self.cfg.zero_stage == 3 else []
         self.engine = initialize_deepspeed(
             model,
             param_groups(model.named_parameters(), self.cfg.optim.weight_decay),
             self.ds_config,
+            leaves,
         )
         if self.cfg.compile:
             for child in self.engine.module.children():
@@ -132,15 +150,18 @@ class Worker:
 
     def _flops(self, manifest: dict[str, Any], length: int) -> float:
         labels = self.train_data.columns.get(schema.LABELS)
+        module = self.engine.module
         return flops_per_token(
-            self.engine.module.config,
+            exported_model(module).config,
             length,
             self.objective,
             mlm_probability=manifest["config"]["mask"]["masked_lm_prob"],
             sparse_mlm=self.cfg.sparse_mlm,
             target_len=labels[0].shape[1]
-            if labels and self.objective == "span_corruption"
+            if labels and self.objective in SEQ2SEQ_OBJECTIVES
             else None,
+            generator=module.generator.config if isinstance(module, ElectraPretrainer) else None,
+            teacher=module.teacher.config if isinstance(module, DistillationModel) else None,
         )
 
     # -- resume ---------------------------------------------------------------------------
@@ -231,6 +252,7 @@ class Worker:
     def train_step(self) -> None:
         """One optimizer step over this rank's share of the next global batch."""
         epoch, indices, after = self.order.next_batch(self.cursor)
+        length = self._seq_len()
         micro = rank_micro_batches(
             indices, self.ctx.rank, self.ctx.world_size, self.cfg.micro_batch_size
         )
@@ -238,7 +260,7 @@ class Worker:
         lr = self.schedule.get_last_lr()[0]
         skip = False
         for i, ids in enumerate(micro):
-            batch = self._device(self.build(self.train_data.take(ids), ids, epoch))
+            batch = self._device(self.build(self.train_data.take(ids), ids, epoch, length))
             out = pretraining_loss(self.engine.module, self.objective, batch, self.cfg.sparse_mlm)
             verdict = self.guard.check(out.loss.detach(), self.step)
             skip = skip or verdict == "skip"
@@ -256,9 +278,17 @@ class Worker:
         self.step += 1
         self._fault("step")
         grad_norm = self.engine.get_global_grad_norm()
-        self.tokens_seen += int(self.telemetry.step(self.step, meter, lr, grad_norm, skip))
+        self.tokens_seen += int(self.telemetry.step(self.step, meter, lr, grad_norm, skip, length))
         if self.cfg.log_sample_ids:
             self._log_sample_ids(np.concatenate(micro))
+
+    def _seq_len(self) -> int:
+        """This step's sequence length: `train.length_schedule`'s, else the examples' own."""
+        schedule, full = self.cfg.length_schedule, self.train_data.width
+        # Checked every step (a few comparisons), so a stage that cannot work fails at the
+        # first step of any attempt, not when the schedule reaches it.
+        check_length_schedule(schedule, self.objective, full)
+        return length_at(schedule, self.step, full)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics over the first `eval.max_samples` validation examples."""
@@ -312,9 +342,9 @@ class Worker:
         batch = self._device(self.build(self.eval_data.take(indices), indices, EVAL_EPOCH))
         self.engine.module.eval()
         with torch.no_grad():
-            out = pretraining_loss(self.engine.module, self.objective, batch, self.cfg.sparse_mlm)
+            loss = export_loss(self.engine.module, self.objective, batch, self.cfg.sparse_mlm)
         self.engine.module.train()
-        return {"indices": indices.tolist(), "loss": float(out.loss)}
+        return {"indices": indices.tolist(), "loss": float(loss)}
 
     def _meta(self, metrics: dict[str, float]) -> dict[str, Any]:
         return {
@@ -331,6 +361,7 @@ class Worker:
             "metrics": metrics,
             "examples_dir": str(self.job.examples_dir),
             "tokenizer_dir": str(self.job.tokenizer_dir),
+            "teacher_dir": str(self.job.teacher_dir) if self.job.teacher_dir else None,
         }
 
     def _write_pid(self) -> None:

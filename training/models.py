@@ -12,29 +12,230 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Mapping
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 import transformers as tf
 from huggingface_hub.errors import StrictDataclassError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-Family = Literal["bert", "roberta", "gpt2", "llama", "t5"]
+from training import presets
+
+Family = Literal[
+    "bert",
+    "roberta",
+    "gpt2",
+    "llama",
+    "t5",
+    "albert",
+    "distilbert",
+    "electra",
+    "deberta-v2",
+    "bart",
+    "mistral",
+    "mixtral",
+    "xlm-roberta",
+    "longformer",
+    "big_bird",
+]
 Size = Literal["tiny", "mini", "small", "base", "large"]
 Value = int | float | str | bool
+Kind = Literal["encoder", "decoder", "seq2seq"]
 
-#: The example objectives (`examples.objective`) each family trains on.
-OBJECTIVES: dict[str, tuple[str, ...]] = {
-    "bert": ("bert", "sop"),  # SOP reuses BERT's binary next-sentence head
-    "roberta": ("roberta",),
-    "gpt2": ("causal",),
-    "llama": ("causal",),
-    "t5": ("span_corruption",),
+#: Friendlier names accepted for `model.family`; a family's own name is its transformers
+#: `model_type`, so an export's config.json names its family.
+ALIASES: dict[str, Family] = {
+    "deberta": "deberta-v2",
+    "xlmr": "xlm-roberta",
+    "bigbird": "big_bird",
 }
 
 #: Attention kernel of every model we build: unlike flash attention, SDPA (like eager) honours
 #: the custom 4-D document mask of packed causal blocks (training/packing.py).
 ATTENTION = "sdpa"
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilySpec:
+    """One family: its transformers classes, the examples it trains on, and its kind."""
+
+    config: type[tf.PreTrainedConfig]
+    model: type[tf.PreTrainedModel]  # the pretraining class (what an export holds)
+    auto: type[Any]  # the Auto class that reloads an export
+    objectives: tuple[str, ...]
+    kind: Kind
+    preset: str  # its name in training/presets.py
+    dropouts: tuple[str, ...]
+    positions: str | None  # the config field of the position table; None: no table to overflow
+    attention: str = ATTENTION
+
+
+_BERT_DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob")
+_ROPE_DROPOUTS = ("attention_dropout",)
+_POS = "max_position_embeddings"
+
+FAMILIES: dict[Family, FamilySpec] = {
+    "bert": FamilySpec(
+        tf.BertConfig,
+        tf.BertForPreTraining,
+        tf.AutoModelForPreTraining,
+        ("bert", "sop"),
+        "encoder",
+        "bert",
+        _BERT_DROPOUTS,
+        _POS,
+    ),  # SOP reuses BERT's binary next-sentence head
+    "roberta": FamilySpec(
+        tf.RobertaConfig,
+        tf.RobertaForMaskedLM,
+        tf.AutoModelForMaskedLM,
+        ("roberta",),
+        "encoder",
+        "roberta",
+        _BERT_DROPOUTS,
+        _POS,
+    ),
+    "gpt2": FamilySpec(
+        tf.GPT2Config,
+        tf.GPT2LMHeadModel,
+        tf.AutoModelForCausalLM,
+        ("causal",),
+        "decoder",
+        "gpt2",
+        ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+        "n_positions",
+    ),
+    "llama": FamilySpec(
+        tf.LlamaConfig,
+        tf.LlamaForCausalLM,
+        tf.AutoModelForCausalLM,
+        ("causal",),
+        "decoder",
+        "llama",
+        _ROPE_DROPOUTS,
+        _POS,
+    ),
+    "t5": FamilySpec(
+        tf.T5Config,
+        tf.T5ForConditionalGeneration,
+        tf.AutoModelForSeq2SeqLM,
+        ("span_corruption",),
+        "seq2seq",
+        "t5",
+        ("dropout_rate",),
+        None,
+    ),
+    "albert": FamilySpec(
+        tf.AlbertConfig,
+        tf.AlbertForPreTraining,
+        tf.AutoModelForPreTraining,
+        ("sop",),
+        "encoder",
+        "albert",
+        (*_BERT_DROPOUTS, "classifier_dropout_prob"),
+        _POS,
+    ),
+    "distilbert": FamilySpec(
+        tf.DistilBertConfig,
+        tf.DistilBertForMaskedLM,
+        tf.AutoModelForMaskedLM,
+        ("roberta",),
+        "encoder",
+        "distilbert",
+        ("dropout", "attention_dropout"),
+        _POS,
+    ),
+    # The discriminator is the model; its generator lives in training/electra.py.
+    "electra": FamilySpec(
+        tf.ElectraConfig,
+        tf.ElectraForPreTraining,
+        tf.AutoModelForPreTraining,
+        ("roberta",),
+        "encoder",
+        "electra",
+        _BERT_DROPOUTS,
+        _POS,
+    ),
+    "deberta-v2": FamilySpec(
+        tf.DebertaV2Config,
+        tf.DebertaV2ForMaskedLM,
+        tf.AutoModelForMaskedLM,
+        ("roberta",),
+        "encoder",
+        "deberta",
+        _BERT_DROPOUTS,
+        None,  # relative positions only
+        "eager",  # disentangled attention has no SDPA path
+    ),
+    "bart": FamilySpec(
+        tf.BartConfig,
+        tf.BartForConditionalGeneration,
+        tf.AutoModelForSeq2SeqLM,
+        ("denoising",),
+        "seq2seq",
+        "bart",
+        ("dropout", "attention_dropout", "activation_dropout"),
+        _POS,
+    ),
+    "mistral": FamilySpec(
+        tf.MistralConfig,
+        tf.MistralForCausalLM,
+        tf.AutoModelForCausalLM,
+        ("causal",),
+        "decoder",
+        "mistral",
+        _ROPE_DROPOUTS,
+        _POS,
+    ),
+    "mixtral": FamilySpec(
+        tf.MixtralConfig,
+        tf.MixtralForCausalLM,
+        tf.AutoModelForCausalLM,
+        ("causal",),
+        "decoder",
+        "mixtral",
+        _ROPE_DROPOUTS,
+        _POS,
+    ),
+    "xlm-roberta": FamilySpec(
+        tf.XLMRobertaConfig,
+        tf.XLMRobertaForMaskedLM,
+        tf.AutoModelForMaskedLM,
+        ("roberta",),
+        "encoder",
+        "xlmr",
+        _BERT_DROPOUTS,
+        _POS,
+    ),
+    # Longformer and BigBird have no SDPA path: their sparse attention is their own kernel.
+    "longformer": FamilySpec(
+        tf.LongformerConfig,
+        tf.LongformerForMaskedLM,
+        tf.AutoModelForMaskedLM,
+        ("roberta",),
+        "encoder",
+        "longformer",
+        _BERT_DROPOUTS,
+        _POS,
+        "eager",
+    ),
+    "big_bird": FamilySpec(
+        tf.BigBirdConfig,
+        tf.BigBirdForMaskedLM,
+        tf.AutoModelForMaskedLM,
+        ("roberta",),
+        "encoder",
+        "bigbird",
+        _BERT_DROPOUTS,
+        _POS,
+        "eager",
+    ),
+}
+
+#: The example objectives (`examples.objective`) each family trains on.
+OBJECTIVES: dict[str, tuple[str, ...]] = {name: spec.objectives for name, spec in FAMILIES.items()}
+#: Families whose position ids start after the pad id (fairseq's numbering).
+PAD_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "longformer"})
 
 
 class ObjectiveMismatchError(ValueError):
@@ -51,8 +252,10 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     family: Family = Field(
         "bert",
-        description="Architecture: bert (MLM + NSP/SOP), roberta (MLM), gpt2 and llama "
-        "(causal LM), t5 (span corruption).",
+        description="Architecture (docs/models.md): bert (MLM + NSP/SOP), albert (MLM + SOP), "
+        "roberta, xlm-roberta, distilbert, deberta-v2, longformer, big_bird (MLM), electra "
+        "(replaced-token detection), gpt2, llama, mistral, mixtral (causal LM), t5 (span "
+        "corruption), bart (denoising). Aliases: deberta, xlmr, bigbird.",
     )
     size: Size = Field(
         "tiny", description="Named shape preset (docs/models.md); tiny is for tests and demos."
@@ -74,101 +277,10 @@ class ModelConfig(BaseModel):
         description="Override every dropout probability of the family (None: the preset's).",
     )
 
-
-class Shape(NamedTuple):
-    """A size preset: layers, model width, attention heads, feed-forward width."""
-
-    layers: int
-    hidden: int
-    heads: int
-    ffn: int
-
-
-# BERT/RoBERTa tiny, mini, small are the shapes of Turc et al. 2019 ("Well-Read Students");
-# base and large are the published BERT/RoBERTa shapes.
-_ENCODER = {
-    "tiny": Shape(2, 128, 2, 512),
-    "mini": Shape(4, 256, 4, 1024),
-    "small": Shape(4, 512, 8, 2048),
-    "base": Shape(12, 768, 12, 3072),
-    "large": Shape(24, 1024, 16, 4096),
-}
-# base = published GPT-2 "small" (124M), large = published GPT-2 "large" (774M).
-_GPT2 = _ENCODER | {"small": Shape(6, 512, 8, 2048), "large": Shape(36, 1280, 20, 5120)}
-# SwiGLU width = 8/3 of the model width rounded up to a multiple of 64 (Llama's rule of thumb).
-_LLAMA = {
-    "tiny": Shape(2, 128, 2, 384),
-    "mini": Shape(4, 256, 4, 704),
-    "small": Shape(8, 512, 8, 1408),
-    "base": Shape(12, 768, 12, 2048),
-    "large": Shape(24, 1024, 16, 2752),
-}
-# small/base/large = published T5 v1.0 (t5-small/base/large); head width d_kv is always 64.
-_T5 = _ENCODER | {"small": Shape(6, 512, 8, 2048)}
-
-
-def _preset(family: Family, size: Size) -> dict[str, Value]:
-    """The transformers config fields of a family's named size."""
-    if family in ("bert", "roberta"):
-        s = _ENCODER[size]
-        return {
-            "num_hidden_layers": s.layers,
-            "hidden_size": s.hidden,
-            "num_attention_heads": s.heads,
-            "intermediate_size": s.ffn,
-            # RoBERTa positions start after the pad id (1): 512 tokens need 514 rows.
-            "max_position_embeddings": 512 if family == "bert" else 514,
-            "type_vocab_size": 2 if family == "bert" else 1,
-            **({"layer_norm_eps": 1e-5} if family == "roberta" else {}),
-        }
-    if family == "gpt2":
-        s = _GPT2[size]
-        return {"n_layer": s.layers, "n_embd": s.hidden, "n_head": s.heads, "n_inner": s.ffn}
-    if family == "llama":
-        s = _LLAMA[size]
-        return {
-            "num_hidden_layers": s.layers,
-            "hidden_size": s.hidden,
-            "num_attention_heads": s.heads,
-            "num_key_value_heads": s.heads,
-            "intermediate_size": s.ffn,
-            "max_position_embeddings": 2048,
-            "rms_norm_eps": 1e-5,
-        }
-    s = _T5[size]
-    return {
-        "num_layers": s.layers,
-        "d_model": s.hidden,
-        "num_heads": s.heads,
-        "d_ff": s.ffn,
-        "d_kv": 64,
-        "feed_forward_proj": "relu",
-    }
-
-
-_DROPOUTS: dict[Family, tuple[str, ...]] = {
-    "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
-    "roberta": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
-    "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
-    "llama": ("attention_dropout",),
-    "t5": ("dropout_rate",),
-}
-
-_CLASSES: dict[Family, tuple[type[tf.PreTrainedConfig], type[tf.PreTrainedModel]]] = {
-    "bert": (tf.BertConfig, tf.BertForPreTraining),
-    "roberta": (tf.RobertaConfig, tf.RobertaForMaskedLM),
-    "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
-    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-    "t5": (tf.T5Config, tf.T5ForConditionalGeneration),
-}
-
-_AUTO: dict[Family, type[Any]] = {
-    "bert": tf.AutoModelForPreTraining,
-    "roberta": tf.AutoModelForMaskedLM,
-    "gpt2": tf.AutoModelForCausalLM,
-    "llama": tf.AutoModelForCausalLM,
-    "t5": tf.AutoModelForSeq2SeqLM,
-}
+    @field_validator("family", mode="before")
+    @classmethod
+    def _alias(cls, value: Any) -> Any:
+        return ALIASES.get(value, value) if isinstance(value, str) else value
 
 
 def check_objective(family: Family, objective: str) -> None:
@@ -195,7 +307,7 @@ def check_objective(family: Family, objective: str) -> None:
 
 def model_class(family: Family) -> type[tf.PreTrainedModel]:
     """The `transformers` pretraining class of `family` (e.g. `BertForPreTraining`)."""
-    return _CLASSES[family][1]
+    return FAMILIES[family].model
 
 
 def family_of(config: tf.PreTrainedConfig) -> Family:
@@ -204,32 +316,49 @@ def family_of(config: tf.PreTrainedConfig) -> Family:
     Raises:
         ModelConfigError: the config is of another model type.
     """
-    for family, (config_class, _) in _CLASSES.items():
-        if type(config) is config_class:  # exact: no subclass of another family
+    for family, spec in FAMILIES.items():
+        if type(config) is spec.config:  # exact: no subclass of another family
             return family
-    raise ModelConfigError(f"{type(config).__name__} is none of the families {list(_CLASSES)}")
+    raise ModelConfigError(f"{type(config).__name__} is none of the families {list(FAMILIES)}")
 
 
 def auto_class(family: Family) -> type[Any]:
     """The `AutoModelFor...` class that reloads an export of `family` with `from_pretrained`."""
-    return _AUTO[family]
+    return FAMILIES[family].auto
+
+
+def kind_of(family: str) -> Kind:
+    """encoder, decoder or seq2seq; an unknown family (a model_type) raises KeyError."""
+    return FAMILIES[family].kind  # type: ignore[index]
 
 
 def _special_fields(family: Family, specials: Mapping[str, int | None]) -> dict[str, int | None]:
     """Config fields for the tokenizer's special ids (never transformers' hub defaults)."""
-    pad, eos = specials.get("pad"), specials.get("eos")
-    if family == "bert":
-        return {"pad_token_id": pad}
-    if family == "roberta":
-        return {"pad_token_id": pad, "bos_token_id": specials.get("cls"), "eos_token_id": eos}
-    if family in ("gpt2", "llama"):  # causal blocks hold only eos (as document separator)
+    pad, eos, cls, sep = (specials.get(k) for k in ("pad", "eos", "cls", "sep"))
+    kind = FAMILIES[family].kind
+    if kind == "decoder":  # causal blocks hold only eos (as document separator)
         return {"pad_token_id": pad, "bos_token_id": eos, "eos_token_id": eos}
-    return {"pad_token_id": pad, "eos_token_id": eos, "decoder_start_token_id": pad}
+    if family == "t5":
+        return {"pad_token_id": pad, "eos_token_id": eos, "decoder_start_token_id": pad}
+    if family == "bart":  # BART starts decoding with </s>, then <s>
+        return {
+            "pad_token_id": pad,
+            "bos_token_id": cls,
+            "eos_token_id": eos,
+            "decoder_start_token_id": eos,
+            "forced_eos_token_id": eos,
+        }
+    if family in ("bert", "distilbert", "electra", "deberta-v2"):
+        return {"pad_token_id": pad}
+    fields = {"pad_token_id": pad, "bos_token_id": cls, "eos_token_id": eos if eos else sep}
+    if family in ("longformer", "big_bird"):
+        fields["sep_token_id"] = sep if sep is not None else eos  # their QA global attention
+    return fields
 
 
 def _check_overrides(family: Family, overrides: Mapping[str, Value]) -> None:
     """Refuse override keys that are not fields of the family's transformers config."""
-    config_class = _CLASSES[family][0]
+    config_class = FAMILIES[family].config
     # transformers 5 configs are strict dataclasses but silently keep unknown kwargs as
     # attributes, so a misspelled key would otherwise be ignored by the model.
     known = {field.name for field in dataclasses.fields(config_class)}
@@ -253,14 +382,17 @@ def _check_fits(
         raise ModelConfigError(
             f"vocab_size {config.vocab_size} is smaller than the tokenizer's {tokenizer_vocab}"
         )
-    if family == "t5":
-        return  # relative position buckets: no position table to overflow
-    field = "n_positions" if family == "gpt2" else "max_position_embeddings"
+    field = FAMILIES[family].positions
+    if field is None:
+        return  # relative positions (T5 buckets, DeBERTa): no table to overflow
+    if family == "deberta-v2" and not config.position_biased_input:
+        return
     positions = int(getattr(config, field))
-    # RoBERTa numbers positions from pad_token_id + 1 (fairseq), so it needs pad + 1 extra rows.
-    offset = (config.pad_token_id or 0) + 1 if family == "roberta" else 0
+    # RoBERTa-style models number positions from pad_token_id + 1 (fairseq), so they need
+    # pad + 1 extra rows.
+    offset = (config.pad_token_id or 0) + 1 if family in PAD_OFFSET_POSITIONS else 0
     if max_length + offset > positions:
-        extra = f" (+{offset}: roberta positions start after the pad id)" if offset else ""
+        extra = f" (+{offset}: {family} positions start after the pad id)" if offset else ""
         raise ModelConfigError(
             f"examples of {max_length} tokens{extra} do not fit the {family} model's {positions} "
             f"positions; raise model.overrides.{field} to at least {max_length + offset} "
@@ -278,28 +410,28 @@ def model_config_for(
         vocab_size: Rows of the embedding; at least the tokenizer's `specials["vocab_size"]`.
         specials: The examples manifest's special ids (cls, eos, mask, pad, sep, sentinel_top,
             vocab_size); a missing key or None means the tokenizer has no such token.
-        max_length: Tokens per example (the encoder side for T5).
+        max_length: Tokens per example (the encoder side for T5 and BART).
 
     Raises:
         ModelConfigError: unknown or ill-typed override, too small a vocabulary, or examples
             longer than the position table.
     """
-    config_class = _CLASSES[cfg.family][0]
-    fields: dict[str, Any] = _preset(cfg.family, cfg.size) | {"vocab_size": vocab_size}
+    spec = FAMILIES[cfg.family]
+    fields: dict[str, Any] = presets.preset(spec.preset, cfg.size) | {"vocab_size": vocab_size}
     if cfg.dropout is not None:
-        fields |= dict.fromkeys(_DROPOUTS[cfg.family], cfg.dropout)
+        fields |= dict.fromkeys(spec.dropouts, cfg.dropout)
     fields |= _special_fields(cfg.family, specials)
     _check_overrides(cfg.family, cfg.overrides)
     fields |= cfg.overrides
     try:
-        config = config_class(**fields)
+        config = spec.config(**fields)
     except (TypeError, ValueError, StrictDataclassError) as err:  # field types, architecture
         raise ModelConfigError(
-            f"invalid {config_class.__name__} for model.family={cfg.family} size={cfg.size} "
+            f"invalid {spec.config.__name__} for model.family={cfg.family} size={cfg.size} "
             f"with model.overrides={cfg.overrides}: {err}"
         ) from err
     _check_fits(cfg.family, config, specials, max_length)
-    config._attn_implementation = ATTENTION
+    config._attn_implementation = spec.attention
     return config
 
 

@@ -31,10 +31,12 @@ from training.export import (
     reload_check,
 )
 from training.faults import FaultPlan
-from training.forward import pretraining_loss
+from training.forward import export_loss
 from training.loop import EVAL_EPOCH
-from training.models import build_model, count_parameters
+from training.model_ref import resolve_base_model
+from training.models import count_parameters
 from training.plots import loss_curve_png, step_history
+from training.pretraining_model import build_export_model
 from training.registry import register_export
 from training.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
 from training.trainer import TrainingRun, run_id_for, run_training, storage_root
@@ -55,8 +57,13 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> tuple[Path, ModelCard]
     specials = manifest["specials"]
     objective = manifest["objective"]
     length = manifest["config"]["block_size" if objective == "causal" else "max_seq_length"]
-    model = build_model(cfg.model, objective, specials["vocab_size"], specials, length)
+    teacher = meta.get("teacher_dir")
+    model, prefix = build_export_model(
+        cfg, objective, specials["vocab_size"], specials, length, Path(teacher) if teacher else None
+    )
     state = gather_state_dict(checkpoint, ckpt.TAG)
+    if prefix:  # ELECTRA's generator, or nothing else: keep only the exported part
+        state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if _is_tied(model, k)}
     if set(missing) - tied or unexpected:
@@ -69,7 +76,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> tuple[Path, ModelCard]
     batch = reference_batch(meta, examples_dir, tokenizer_dir, cfg)
 
     def loss_fn(m: Any, b: Any) -> float:
-        return float(pretraining_loss(m, objective, b, cfg.sparse_mlm).loss)
+        return float(export_loss(m, objective, b, cfg.sparse_mlm))
 
     rtol = 1e-4 if cfg.precision == "fp32" else 5e-2
     reload_check(out_dir, cfg.model.family, batch, meta["reference"]["loss"], loss_fn, rtol)
@@ -171,12 +178,15 @@ def pretrain_stage(
     registered; resume it with `resume=True`. `fault` injects one SIGKILL of a worker
     (training/faults.py; the reliability suite's).
     """
-    run_id = run_id_for(cfg, seed, examples_dir, tokenizer_dir)
+    uri = tracking.tracking_uri if tracking.enabled else None
+    teacher_dir = None
+    if cfg.distillation is not None:
+        teacher_dir, _ = resolve_base_model(cfg.distillation.teacher, uri, workspace)
+    run_id = run_id_for(cfg, seed, examples_dir, tokenizer_dir, teacher_dir)
     record_file = storage_root(cfg, workspace) / f"{run_id}.run.json"
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     if record.get("registered") and not stop_at_step:
         return dict(record["summary"]) | {"reused": True}
-    uri = tracking.tracking_uri if tracking.enabled else None
     mlflow_run = record.get("mlflow_run_id")
     if uri is not None:
         tags = {"stage": "pretrain", "train_run": run_id, "family": cfg.model.family}
@@ -198,6 +208,7 @@ def pretrain_stage(
             resume=resume,
             stop_at_step=stop_at_step,
             fault=fault,
+            teacher_dir=teacher_dir,
         )
         summary = _summary(run) | {"mlflow_run_id": mlflow_run}
         if run.finished:

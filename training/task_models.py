@@ -18,8 +18,14 @@ from typing import Any, Literal
 import torch
 import transformers as tf
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+)
 
 from training.export import require_safetensors
+from training.models import FAMILIES, Family
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +47,37 @@ _HEADED: tuple[TaskType, ...] = (
 #: What each family can be fine-tuned for. Encoders have no decoder for text generation;
 #: decoder-only models phrase seq2seq data as causal_lm (prompt/response); T5 classifies with
 #: transformers' T5ForSequenceClassification (zero-shot text-to-text: training/prompting.py).
+#: A headed task needs the family in transformers' Auto mapping (BART has no token
+#: classification model).
+_HEADED_MAPPINGS = {
+    "classification": MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    "regression": MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    "token_classification": MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+    "question_answering": MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES,
+}
+_GENERATION: dict[str, tuple[TaskType, ...]] = {
+    "encoder": (),
+    "decoder": ("causal_lm",),
+    "seq2seq": ("seq2seq",),
+}
 SUPPORTED_TASKS: dict[str, tuple[TaskType, ...]] = {
-    "bert": _HEADED,
-    "roberta": _HEADED,
-    "gpt2": (*_HEADED, "causal_lm"),
-    "llama": (*_HEADED, "causal_lm"),
-    "t5": (*_HEADED, "seq2seq"),
+    family: (
+        *(task for task in _HEADED if family in _HEADED_MAPPINGS[task]),
+        *_GENERATION[spec.kind],
+    )
+    for family, spec in FAMILIES.items()
 }
 _REFUSAL_HINTS = {
-    ("encoder", "seq2seq"): "an encoder has no decoder; use a t5 model for seq2seq",
-    ("encoder", "causal_lm"): "an encoder cannot generate; use a gpt2 or llama model",
+    ("encoder", "seq2seq"): "an encoder has no decoder; use a t5 or bart model for seq2seq",
+    ("encoder", "causal_lm"): "an encoder cannot generate; use a gpt2, llama, mistral or mixtral "
+    "model",
+    ("seq2seq", "causal_lm"): "write the data as seq2seq (text = prompt, target = response)",
     ("decoder", "seq2seq"): "write the data as causal_lm (prompt = source, response = target)",
     ("t5", "causal_lm"): "write the data as seq2seq (text = prompt, target = response)",
 }
-_KIND = {"bert": "encoder", "roberta": "encoder", "gpt2": "decoder", "llama": "decoder", "t5": "t5"}
+_KIND: dict[str, str] = {
+    family: "t5" if family == "t5" else spec.kind for family, spec in FAMILIES.items()
+}
 
 _AUTO_TASK: dict[TaskType, Any] = {
     "classification": tf.AutoModelForSequenceClassification,
@@ -66,7 +89,17 @@ _AUTO_TASK: dict[TaskType, Any] = {
 }
 #: Top-level modules of the transformers task classes that are task heads: only their weights
 #: may be missing from a model directory (plus a BERT pooler, absent from MLM-only exports).
-HEAD_MODULES = frozenset({"classifier", "score", "qa_outputs", "classification_head"})
+HEAD_MODULES = frozenset(
+    {
+        "classifier",
+        "pre_classifier",  # DistilBERT
+        "pooler",  # DeBERTa's context pooler (a BERT pooler is under the body's prefix)
+        "score",
+        "qa_outputs",
+        "qa_classifier",  # BigBird
+        "classification_head",
+    }
+)
 
 
 class TaskModelError(ValueError):
@@ -83,7 +116,7 @@ class TaskSpec(BaseModel):
         description="Label names in index order (classification: the classes; "
         "token_classification: the BIO tags). Empty for the other task types.",
     )
-    family: Literal["bert", "roberta", "gpt2", "llama", "t5"] | None = Field(
+    family: Family | None = Field(
         None, description="Expected model family; None takes it from the model's config."
     )
 

@@ -97,8 +97,19 @@ class Telemetry:
         self.history = [h for h in self.history if h[0] <= step]
         self.last = time.perf_counter()
 
-    def step(self, step: int, meter: StepMeter, lr: float, grad_norm: Any, skipped: bool) -> float:
-        """Reduce one step's sums, log them every `log_every_steps`; return its input tokens."""
+    def step(
+        self,
+        step: int,
+        meter: StepMeter,
+        lr: float,
+        grad_norm: Any,
+        skipped: bool,
+        seq_len: int | None = None,
+    ) -> float:
+        """Reduce one step's sums, log them every `log_every_steps`; return its input tokens.
+
+        `seq_len` is the step's sequence length (`train.length_schedule`), logged as `seq_len`.
+        """
         now = time.perf_counter()
         elapsed, self.last = now - self.last, now
         sums = meter.reduced()
@@ -116,6 +127,8 @@ class Telemetry:
             "step_time_s": elapsed,
             "skipped": float(skipped),
         }
+        if seq_len is not None:
+            metrics["seq_len"] = float(seq_len)
         if self.peak:
             world = dist.get_world_size() if dist.is_initialized() else 1
             metrics["mfu"] = self.flops_per_token * tokens_s / (self.peak * world)

@@ -7,6 +7,7 @@ finished and resumed (with `resume=True`) when it stopped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -41,17 +42,39 @@ class TrainingRun:
     finished: bool
 
 
-def run_id_for(cfg: TrainConfig, seed: int, examples_dir: Path, tokenizer_dir: Path) -> str:
-    """The run's identity: a hash of its inputs' fingerprints, the train config, seed and code."""
+def run_id_for(
+    cfg: TrainConfig,
+    seed: int,
+    examples_dir: Path,
+    tokenizer_dir: Path,
+    teacher_dir: Path | None = None,
+) -> str:
+    """The run's identity: a hash of its inputs' fingerprints, the train config, seed and code.
+
+    A distillation run's inputs include its teacher's weights (sha256 of its safetensors), so
+    a registry alias that moves to another version starts another run.
+    """
     inputs = {
         "examples": read_manifest(examples_dir)["fingerprint"],
         "tokenizer": json.loads((tokenizer_dir / "manifest.json").read_text())["fingerprint"],
     }
+    if teacher_dir is not None:
+        inputs["teacher"] = _weights_sha256(teacher_dir)
     # Where checkpoints go, how often we log and how many workers share the global batch do not
     # change what is trained: a run resumes at another worker count (docs/pretraining.md).
     train = cfg.model_dump(mode="json", exclude={"checkpoint", "log_every_steps", "eval", "scale"})
     code = source_hash("tasks", "training")
     return fingerprint({"inputs": inputs, "train": train, "seed": seed, "code": code})
+
+
+def _weights_sha256(model_dir: Path) -> str:
+    digest = hashlib.sha256()
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        digest.update(shard.name.encode())
+        with shard.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def storage_root(cfg: TrainConfig, workspace: Path) -> Path:
@@ -72,14 +95,17 @@ def run_training(
     resume: bool = False,
     stop_at_step: int | None = None,
     fault: FaultPlan | None = None,
+    teacher_dir: Path | None = None,
 ) -> TrainingRun:
     """Train on Ray Train with DeepSpeed until `max_steps` (or `stop_at_step`).
+
+    `teacher_dir` is the resolved local teacher of a distillation run (`train.distillation`).
 
     Raises:
         RunStateError: the run stopped earlier and `resume` is False.
         RuntimeError: training failed after `scale.max_failures` restarts.
     """
-    run_id = run_id_for(cfg, seed, examples_dir, tokenizer_dir)
+    run_id = run_id_for(cfg, seed, examples_dir, tokenizer_dir, teacher_dir)
     root = storage_root(cfg, workspace)
     run_dir = root / run_id
     found = ckpt.find_resumable(run_dir, None, run_id) if run_dir.is_dir() else None
@@ -104,6 +130,7 @@ def run_training(
         run_id=mlflow_run_id,
         stop_at_step=stop_at_step,
         fault=fault,
+        teacher_dir=teacher_dir.resolve() if teacher_dir is not None else None,
     )
     _fit(job, root, run_id, ray_cfg)
     last = ckpt.find_resumable(run_dir, None, run_id)

@@ -285,3 +285,46 @@ def test_evaluate_reproduces_the_last_held_out_evaluation_and_probes_the_export(
         samples = result["generation"]
         assert len(samples) == 4  # one prompt under four decoding settings
         assert all(isinstance(s["output"], str) for s in samples)
+
+
+def test_distilled_student_has_half_the_teachers_layers_and_learns(
+    demo_data: Any, tmp_root: Path, mlflow_uri: str, tmp_path: Path
+) -> None:
+    teacher = trained("bert", demo_data, tmp_root, mlflow_uri)
+    teacher_dir = Path(teacher["summary"]["export_dir"])
+    # The student reads single-segment MLM rows cut with the teacher's own tokenizer.
+    data = demo_data.examples("roberta", tokenizer={"family": "wordpiece"})
+    assert data["tokenizer"] == teacher["tokenizer"]
+    cfg = train_config(
+        "distilbert",
+        tmp_path / "runs",
+        max_steps=24,
+        **{
+            "checkpoint.every_steps": 24,
+            "eval.every_steps": 12,
+            "distillation": {"teacher": {"path": str(teacher_dir)}},
+        },
+    )
+    summary = pretrain_stage(
+        cfg,
+        0,
+        data["examples"],
+        data["tokenizer"],
+        tmp_path / "ws",
+        RayConfig(num_workers=2, num_cpus=4),
+        tracking(mlflow_uri),
+        "acc-distil",
+    )
+    evals = step_history(Path(summary["run_dir"]) / "evals.jsonl")
+    first, last = evals[min(evals)], evals[max(evals)]
+    for key in ("eval_loss", "eval_mlm_loss"):
+        assert last[key] < first[key], (key, first, last)
+    # Initialised from every other teacher layer, the student starts close to the teacher's
+    # soft targets and stays there while its MLM loss falls.
+    assert last["eval_kd_loss"] < 0.2, last
+    student = json.loads((Path(summary["export_dir"]) / "config.json").read_text())
+    teacher_config = json.loads((teacher_dir / "config.json").read_text())
+    assert student["model_type"] == "distilbert"
+    assert student["n_layers"] * 2 == teacher_config["num_hidden_layers"]
+    assert student["dim"] == teacher_config["hidden_size"]
+    assert read_card(Path(summary["export_dir"])).family == "distilbert"

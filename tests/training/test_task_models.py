@@ -16,7 +16,7 @@ from tasks.schema import downstream_schema
 from tasks.tokenizer import TokenizerConfig, padded_vocab_size, to_transformers, train_tokenizer
 from training.export import UnsafeWeightsError
 from training.features import FeatureConfig, featurize, make_collator
-from training.models import ModelConfig, build_model
+from training.models import FAMILIES, OBJECTIVES, ModelConfig, auto_class, build_model
 from training.task_models import (
     HEAD_MODULES,
     SUPPORTED_TASKS,
@@ -32,6 +32,19 @@ TOKENIZERS = {
     "llama": TokenizerConfig(family="bpe", vocab_size=300, min_frequency=1),
     "t5": TokenizerConfig(family="unigram", vocab_size=200, extra_ids=4, min_frequency=1),
 }
+# The rest of the model table: WordPiece for the BERT descendants, RoBERTa-style BPE for the
+# other encoders and BART, GPT-2-style BPE for the decoders; tiny presets, no overrides.
+TOKENIZERS |= {
+    family: TOKENIZERS[
+        "bert"
+        if family in ("albert", "distilbert", "electra")
+        else "gpt2"
+        if spec.kind == "decoder"
+        else "roberta"
+    ]
+    for family, spec in FAMILIES.items()
+    if family not in TOKENIZERS
+}
 ENCODER = {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
 OVERRIDES: dict[str, dict[str, int | float | str | bool]] = {
     "bert": {**ENCODER, "max_position_embeddings": 64},
@@ -40,7 +53,7 @@ OVERRIDES: dict[str, dict[str, int | float | str | bool]] = {
     "llama": {**ENCODER, "num_key_value_heads": 2, "max_position_embeddings": 64},
     "t5": {"d_model": 32, "num_heads": 2, "d_ff": 64, "d_kv": 16},
 }
-OBJECTIVE = {"bert": "bert", "roberta": "roberta", "gpt2": "causal", "llama": "causal"}
+OBJECTIVE = {family: objectives[0] for family, objectives in OBJECTIVES.items()}
 SPECS = {
     "classification": TaskSpec(task_type="classification", labels=("neg", "pos", "mixed")),
     "regression": TaskSpec(task_type="regression"),
@@ -74,8 +87,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         }
         torch.manual_seed(0)
         model = build_model(
-            ModelConfig(family=family, overrides=OVERRIDES[family]),  # type: ignore[arg-type]
-            OBJECTIVE.get(family, "span_corruption"),
+            ModelConfig(family=family, overrides=OVERRIDES.get(family, {})),  # type: ignore[arg-type]
+            OBJECTIVE[family],
             padded_vocab_size(backend, tok_cfg),
             {**ids, "vocab_size": len(tok)},
             32,
@@ -100,7 +113,9 @@ def test_pretrained_body_loads_exactly_and_only_the_head_is_new(
     saved: dict[str, Path], family: str, task: str
 ) -> None:
     model = load_task_model(saved[family], SPECS[task], seed=3)
-    weights = load_file(saved[family] / "model.safetensors")
+    # The saved model as transformers loads it: names as the modules hold them (Mixtral's
+    # fused experts are stored per expert on disk).
+    weights = auto_class(family).from_pretrained(saved[family]).state_dict()  # type: ignore[arg-type]
     new = []
     for name, param in model.named_parameters():
         source = source_tensor(name, weights)
@@ -173,8 +188,9 @@ def test_labels_and_problem_type_reach_the_model_config(saved: dict[str, Path]) 
 @pytest.mark.parametrize(
     ("family", "task", "hint"),
     [
-        ("bert", "seq2seq", "use a t5 model"),
-        ("roberta", "causal_lm", "use a gpt2 or llama model"),
+        ("bert", "seq2seq", "use a t5 or bart model"),
+        ("roberta", "causal_lm", "use a gpt2, llama, mistral or mixtral model"),
+        ("bart", "causal_lm", "write the data as seq2seq"),
         ("gpt2", "seq2seq", "write the data as causal_lm"),
         ("t5", "causal_lm", "write the data as seq2seq"),
     ],
