@@ -50,6 +50,17 @@ _SITES: dict[str, tuple[str, dict[str, str]]] = {
             "ffn": r"\.layer\.\d+\.(?:DenseReluDense|DenseGatedActDense)\.wo",
         },
     ),
+    # ALBERT's layers are shared: one adapter per shared layer, used at every depth.
+    "albert": ("albert_layers", {"attention": r"\.attention\.dense", "ffn": r"\.ffn_output"}),
+    "distilbert": ("layer", {"attention": r"\.attention\.out_lin", "ffn": r"\.ffn\.lin2"}),
+    "bart": ("layers", {"attention": r"\.(?:self_attn|encoder_attn)\.out_proj", "ffn": r"\.fc2"}),
+    "mistral": ("layers", {"attention": r"\.self_attn\.o_proj", "ffn": r"\.mlp\.down_proj"}),
+    # Mixtral's experts are fused 3-D tensors, not a Linear: attention sites only.
+    "mixtral": ("layers", {"attention": r"\.self_attn\.o_proj"}),
+}
+_SITES |= {
+    family: _SITES["bert"]
+    for family in ("electra", "deberta-v2", "xlm-roberta", "longformer", "big_bird")
 }
 _ACTIVATIONS: dict[str, type[torch.nn.Module]] = {
     "relu": torch.nn.ReLU,
@@ -132,6 +143,11 @@ def adapter_sites(model: torch.nn.Module, placement: str) -> list[str]:
     layers = {n for n in names if re.fullmatch(_LAYER.format(word=word), n)}
     sites: list[str] = []
     for kind in kinds:
+        if kind not in patterns:
+            raise ValueError(
+                f"{family} has no {kind} adapter site (its feed-forward is a mixture of "
+                "experts); use adapter placement attention"
+            )
         pattern = re.compile(_LAYER.format(word=word) + patterns[kind])
         found = [(n, m) for n in names if (m := pattern.fullmatch(n))]
         missing = sorted(layers - {m.group("layer") for _, m in found})
@@ -275,6 +291,16 @@ LORA_TARGETS = {
     "gpt2": ["c_attn"],
     "llama": ["q_proj", "v_proj"],
     "t5": ["q", "v"],
+    "albert": ["query", "value"],
+    "distilbert": ["q_lin", "v_lin"],
+    "electra": ["query", "value"],
+    "deberta-v2": ["query_proj", "value_proj"],
+    "xlm-roberta": ["query", "value"],
+    "longformer": ["query", "value"],
+    "big_bird": ["query", "value"],
+    "bart": ["q_proj", "v_proj"],
+    "mistral": ["q_proj", "v_proj"],
+    "mixtral": ["q_proj", "v_proj"],
 }
 _TASKS = (
     ("ForSequenceClassification", "SEQ_CLS"),

@@ -363,17 +363,24 @@ def _distill_loss(
     return StepOutput(loss, out.parts, out.counts)
 
 
-def _model_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """Pass a 2-D padding mask as is; give a 4-D additive mask the model's dtype.
+def _model_mask(
+    mask: Tensor | None, dtype: torch.dtype, window: int | None = None
+) -> Tensor | None:
+    """Pass a 2-D padding mask as is; give a 4-D additive mask the model's dtype and window.
 
     The mask is added to the attention scores, which are in the model's dtype (bf16 under
     DeepSpeed); fused SDPA kernels may insist on that dtype. Rebuilding rather than casting
     keeps blocked entries at the dtype's finite minimum (a float32 minimum rounds to -inf in
-    bf16), as transformers' own masks do.
+    bf16), as transformers' own masks do. transformers uses a custom 4-D mask as given, so a
+    sliding-window model (Mistral, Mixtral) would attend past its `window` under document
+    masking: keys `window` or more positions back are blocked here, as its own mask does.
     """
-    if mask is None or mask.dim() != 4 or mask.dtype == dtype:
+    if mask is None or mask.dim() != 4 or (mask.dtype == dtype and not window):
         return mask
     blocked = mask < 0  # (B, 1, T, T)
+    if window:
+        pos = torch.arange(mask.shape[-1], device=mask.device)
+        blocked = blocked | ((pos[:, None] - pos[None, :]) >= window)  # (T, T) broadcast
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
         blocked, torch.finfo(dtype).min
     )
@@ -397,7 +404,9 @@ def _causal_forward(
     extra = {"output_router_logits": True} if router_loss else {}
     out = model(
         input_ids=batch[schema.INPUT_IDS],
-        attention_mask=_model_mask(batch.get(ATTENTION_MASK), model.dtype),
+        attention_mask=_model_mask(
+            batch.get(ATTENTION_MASK), model.dtype, getattr(model.config, "sliding_window", None)
+        ),
         position_ids=batch.get(POSITION_IDS),
         use_cache=False,  # training: no KV cache (and none under activation checkpointing)
         **extra,

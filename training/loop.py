@@ -8,6 +8,7 @@ steps; checkpoints, evaluation and tracking happen every N steps.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -144,7 +145,8 @@ class Worker:
         )
         self.accum = self.cfg.accumulation_steps(ctx.world_size)
         self.guard = LossGuard(self.cfg.guard)
-        self.telemetry = Telemetry(job, ctx, self._flops(manifest, length))
+        flops_at = functools.lru_cache(maxsize=8)(lambda seq: self._flops(manifest, seq))
+        self.telemetry = Telemetry(job, ctx, flops_at(length), flops_at)
         self.step, self.cursor, self.tokens_seen = 0, Cursor(), 0
         torch.manual_seed(_seed_for(job.seed, ctx.rank))  # dropout differs across ranks
 

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from training import adapters as adapter_lib
 from training.adapters import AdapterConfig, LoraSettings, PromptSettings, peft_task_type
+from training.models import FAMILIES
 from training.schedule import (
     ParamSpec,
     build_param_groups,
@@ -229,7 +230,10 @@ def _check_prompt_support(model: torch.nn.Module, task: str) -> None:
             f"prompt_tuning cannot train {cls}: peft prepends the virtual tokens, which shifts "
             "the per-token labels and answer positions; use lora or adapters"
         )
-    if task == "SEQ_CLS" and adapter_lib.family_of_model(model) in ("gpt2", "llama", "t5"):
+    family = adapter_lib.family_of_model(model)
+    # Decoder and seq2seq classifiers find the token they classify (the last non-pad, or
+    # the eos) from input_ids.
+    if task == "SEQ_CLS" and family in FAMILIES and FAMILIES[family].kind != "encoder":
         raise ValueError(
             f"prompt_tuning cannot train {cls}: it finds the token it classifies from "
             "input_ids, which peft replaces by embeddings; use lora or adapters"

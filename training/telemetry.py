@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -77,14 +78,25 @@ def measure_peak_flops(dtype: torch.dtype, seconds: float = 0.5) -> float:
 class Telemetry:
     """Rank 0's logger of step and evaluation metrics; other ranks only join the reductions."""
 
-    def __init__(self, job: WorkerJob, ctx: WorkerContext, flops_per_token: float) -> None:
-        """Attach to the run's tracker (rank 0) and measure the matmul peak."""
+    def __init__(
+        self,
+        job: WorkerJob,
+        ctx: WorkerContext,
+        flops_per_token: float,
+        flops_at: Callable[[int], float] | None = None,
+    ) -> None:
+        """Attach to the run's tracker (rank 0) and measure the matmul peak.
+
+        `flops_per_token` is at the examples' length; `flops_at(seq_len)` at a step's shorter
+        length under `train.length_schedule` (attention FLOPs per token grow with the length).
+        """
         cfg = job.train
         self.rank, self.every = ctx.rank, cfg.log_every_steps
         self.tracker: Tracker = NullTracker()
         if ctx.rank == 0 and job.tracking_uri and job.run_id:
             self.tracker = MlflowTracker(job.tracking_uri, job.run_id)
         self.flops_per_token = flops_per_token
+        self.flops_at = flops_at
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         self.peak = measure_peak_flops(dtype[cfg.precision]) if not cfg.scale.use_gpu else 0.0
         self.history: list[tuple[int, float]] = []
@@ -131,7 +143,10 @@ class Telemetry:
             metrics["seq_len"] = float(seq_len)
         if self.peak:
             world = dist.get_world_size() if dist.is_initialized() else 1
-            metrics["mfu"] = self.flops_per_token * tokens_s / (self.peak * world)
+            flops = self.flops_per_token
+            if seq_len is not None and self.flops_at is not None:
+                flops = self.flops_at(seq_len)
+            metrics["mfu"] = flops * tokens_s / (self.peak * world)
         # Every step, appended (a replayed step's later line wins), with its throughput.
         with open(self.steps_file, "a") as handle:
             handle.write(json.dumps({"step": step, **metrics}) + "\n")

@@ -126,11 +126,35 @@ def test_adapter_width_follows_reduction_factor_or_explicit_bottleneck() -> None
 
 
 def test_adapters_refuse_an_unsupported_family() -> None:
-    model = tf.DistilBertForSequenceClassification(
-        tf.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
+    config = tf.MPNetConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
     )
-    with pytest.raises(ValueError, match="distilbert"):
+    model = tf.MPNetForSequenceClassification(config)  # not a family of the model table
+    with pytest.raises(ValueError, match="mpnet"):
         add_adapters(model, AdapterConfig())
+
+
+def test_mixtral_adapters_go_on_attention_only() -> None:
+    config = tf.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        num_local_experts=2,
+    )
+    model = tf.MixtralForSequenceClassification(config)
+    with pytest.raises(ValueError, match=r"mixture of experts\); use adapter placement attention"):
+        add_adapters(model, AdapterConfig())
+    assert adapter_sites(model, "attention") == [
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.1.self_attn.o_proj",
+    ]
 
 
 def test_remove_adapters_restores_the_plain_model() -> None:

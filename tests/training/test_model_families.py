@@ -18,9 +18,10 @@ from tasks.tokenizer import TokenizerConfig, padded_vocab_size, to_transformers,
 from training.config import TrainConfig
 from training.electra import ElectraPretrainer, corrupt
 from training.export import DataRef, ModelCard, TokenizerRef, export_model, load_export
-from training.forward import export_loss, exported_model, pretraining_loss
+from training.forward import causal_logits, export_loss, exported_model, pretraining_loss
 from training.models import FAMILIES, OBJECTIVES, Family
-from training.pretraining_model import build_pretraining_model
+from training.packing import causal_document_mask
+from training.pretraining_model import build_pretraining_model, zero3_leaf_modules
 
 _TOKENIZER = {
     "wordpiece": {"family": "wordpiece", "vocab_size": 300, "min_frequency": 1},
@@ -243,3 +244,70 @@ def test_mixtral_routes_and_adds_its_balance_loss(tokenizers: dict[str, tuple[Pa
         float(out.parts["lm_loss"]) + float(out.parts["aux_loss"]), rel=1e-6
     )
     assert coef > 0
+
+
+def test_document_masking_keeps_mistrals_sliding_window() -> None:
+    torch.manual_seed(0)
+    config = tf.MistralConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        sliding_window=4,
+    )
+    config._attn_implementation = "sdpa"
+    model = tf.MistralForCausalLM(config).eval()
+    ids = torch.randint(0, 50, (1, 12))
+    one_doc = causal_document_mask(torch.zeros(1, 12, dtype=torch.long), torch.float32)
+    with torch.no_grad():
+        plain = causal_logits(model, {"input_ids": ids})
+        masked = causal_logits(
+            model,
+            {"input_ids": ids, "attention_mask": one_doc, "position_ids": torch.arange(12)[None]},
+        )
+        # One document: the 4-D mask must give exactly the model's own sliding-window mask.
+        torch.testing.assert_close(masked, plain, rtol=1e-5, atol=1e-5)
+        # Two documents: the second never sees the first, and still sees only 4 tokens back.
+        docs = torch.tensor([[0] * 5 + [1] * 7])
+        positions = torch.tensor([list(range(5)) + list(range(7))])
+        batch = {"attention_mask": causal_document_mask(docs, torch.float32)}
+        changed = ids.clone()
+        changed[0, 0] = (ids[0, 0] + 1) % 50  # in document 0
+        changed[0, 6] = (ids[0, 6] + 1) % 50  # 5 back from the last token: outside its window
+        a = causal_logits(model, {"input_ids": ids, "position_ids": positions, **batch})
+        b = causal_logits(model, {"input_ids": changed, "position_ids": positions, **batch})
+        torch.testing.assert_close(a[0, -1], b[0, -1])
+        assert not torch.allclose(a[0, 6], b[0, 6])
+
+
+@pytest.mark.parametrize("family", ["longformer", "big_bird"])
+def test_long_document_models_train_on_long_inputs_with_sparse_attention(
+    family: Family, tokenizers: dict[str, tuple[Path, int]]
+) -> None:
+    tok_dir, rows = tokenizers["roberta"]
+    tok = tf.AutoTokenizer.from_pretrained(tok_dir)
+    cfg = TrainConfig.model_validate({"model": {"family": family, "size": "tiny"}})
+    torch.manual_seed(0)
+    model = build_pretraining_model(cfg, "roberta", rows, specials(tok), 1024)
+    text = " ".join(sentences(200))
+    enc = tok(text, return_tensors="pt", truncation=True, max_length=1024)
+    assert enc["input_ids"].shape[1] == 1024  # 8x the demo's examples
+    ids, labels = mlm_labels(enc["input_ids"], enc["attention_mask"], tok)
+    batch = {"input_ids": ids, "attention_mask": enc["attention_mask"], "labels": labels}
+    out = pretraining_loss(model, "roberta", batch)
+    out.loss.backward()
+    assert math.isfinite(float(out.loss))
+    if family == "big_bird":  # long enough to stay block-sparse (short inputs switch to full)
+        assert model.config.attention_type == "block_sparse"
+    else:  # local windows far shorter than the input
+        assert max(model.config.attention_window) < 1024
+
+
+def test_mixtral_experts_are_zero3_leaf_modules(tokenizers: dict[str, tuple[Path, int]]) -> None:
+    model, *_ = built("mixtral", tokenizers)
+    leaves = zero3_leaf_modules(model)
+    assert leaves == [tf.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock]
+    plain, *_ = built("llama", tokenizers)
+    assert zero3_leaf_modules(plain) == []
