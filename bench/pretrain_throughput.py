@@ -669,7 +669,7 @@ def summarize(raw: dict[str, Any], tokens: list[int], warmup: int, steps: int) -
 def flops(examples_dir: Path) -> dict[str, float]:
     """Training FLOPs per input token: sparse MLM (lmpipe, plain) and dense (Trainer's loss)."""
     from training.data import read_manifest
-    from training.forward import flops_per_token
+    from training.flops import flops_per_token
     from training.models import model_config_for
 
     manifest = read_manifest(examples_dir)

@@ -40,11 +40,11 @@ from training.deepspeed import deepspeed_config, param_groups
 from training.distill import DistillationModel
 from training.electra import ElectraPretrainer
 from training.engine import initialize_deepspeed
+from training.flops import flops_per_token
 from training.forward import (
     SEQ2SEQ_OBJECTIVES,
     export_loss,
     exported_model,
-    flops_per_token,
     pretraining_loss,
 )
 from training.guard import LossGuard

@@ -7,12 +7,12 @@ import torch
 import transformers as tf
 
 from tasks import schema
+from training.flops import flops_per_token
 from training.forward import (
     ATTENTION_MASK,
     POSITION_IDS,
     causal_logits,
     eval_metrics,
-    flops_per_token,
     pretraining_loss,
 )
 from training.models import Family, ModelConfig, build_model, model_config_for
