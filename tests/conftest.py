@@ -6,8 +6,10 @@ settings at import, so they are set before anything imports either.
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,8 +220,66 @@ class DemoData:
             _DEMO_BUILT[key] = {"examples": out, "tokenizer": tokenizer, "encode": encode}
         return _DEMO_BUILT[key]
 
+    def pretrain(
+        self,
+        cfg: Any,
+        data: dict[str, Path],
+        workspace: Path,
+        mlflow_uri: str,
+        run_name: str,
+        experiment: str = "pretrain-acceptance",
+    ) -> dict[str, Any]:
+        """`pretrain_stage` (seed 0, 2 workers on the session's Ray) on examples of `examples`."""
+        from training.pretrain import pretrain_stage
+        from training.tracking import TrackingConfig
+
+        tracking = TrackingConfig(tracking_uri=mlflow_uri, experiment=experiment)
+        return pretrain_stage(
+            cfg, 0, data["examples"], data["tokenizer"], workspace, self.ray, tracking, run_name
+        )
+
 
 @pytest.fixture(scope="session")
 def demo_data(ray_session: str, tmp_path_factory: pytest.TempPathFactory) -> DemoData:
     """The synthetic demo corpus, ingested; `.examples(objective)` cuts examples on demand."""
     return DemoData(tmp_path_factory.mktemp("pretrain-data"))
+
+
+@pytest.fixture(scope="module")
+def single_process_dist() -> Iterator[None]:
+    """World size 1 over gloo for DeepSpeed (in-process engines); its shm comm op is not built.
+
+    Building that op JIT-compiles C++ (about 25 s on a fresh machine) and one rank never uses
+    it. DeepSpeed caches a clone of the world group, stale once a group is destroyed, so the
+    cache is cleared around the group this fixture owns.
+    """
+    import deepspeed
+    import torch
+    from deepspeed.utils import groups
+
+    with pytest.MonkeyPatch.context() as mp, socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(sock.getsockname()[1])}
+        for key, value in {**env, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+            mp.setenv(key, value)
+        mp.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
+        owned = not torch.distributed.is_initialized()
+        sock.close()
+        if owned:
+            groups._WORLD_GROUP = None
+        deepspeed.init_distributed(dist_backend="gloo")
+        yield
+        if owned:
+            torch.distributed.destroy_process_group()
+            groups._WORLD_GROUP = None
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread for a module (tiny models; timings on shared cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

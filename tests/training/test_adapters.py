@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +46,8 @@ CONFIGS: dict[str, tuple[type[Any], dict[str, Any]]] = {
 HEADS = {"n_head": 2} | {"num_attention_heads": 2, "num_heads": 2, "num_key_value_heads": 2}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Width-32 matmuls gain nothing from a second thread and crawl when cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls gain nothing from a second thread and crawl when cores are shared.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(family: str, auto: type[Any] = tf.AutoModelForSequenceClassification) -> Any:

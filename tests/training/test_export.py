@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import random
 import shutil
-import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -152,28 +150,6 @@ def reload(family: str, hf_dir: Path) -> tf.PreTrainedModel:
 
 
 # --- DeepSpeed consolidation -------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def single_process_dist() -> Iterator[None]:
-    """World size 1 over gloo; DeepSpeed's shared-memory comm op is not built (~25 s of C++)."""
-    import deepspeed
-
-    with pytest.MonkeyPatch.context() as mp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0"}
-        for key, value in {**env, "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-            mp.setenv(key, value)
-        # One rank never uses the shm all-reduce; building it JIT-compiles C++ on a fresh box.
-        # (`deepspeed.comm.torch` as a dotted string resolves to the `torch` that module imports.)
-        mp.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
-        owned = not torch.distributed.is_initialized()
-        deepspeed.init_distributed(dist_backend="gloo")
-        yield
-        if owned:
-            torch.distributed.destroy_process_group()
 
 
 def engine_weights(engine: object, stage: int) -> dict[str, torch.Tensor]:

@@ -16,13 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from tasks.ray_runtime import RayConfig
 from training.config import TrainConfig
 from training.export import load_export, read_card
 from training.models import FAMILIES
 from training.plots import step_history
-from training.pretrain import pretrain_stage
-from training.tracking import TrackingConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -60,15 +57,8 @@ def test_objective_group_pretrains_and_its_held_out_loss_falls(
     family, objective, tokenizer, token_loss, extra = GROUPS[group]
     data = demo_data.examples(objective, tokenizer=tokenizer)
     cfg = train_config(family, tmp_path / "runs", **extra)
-    summary = pretrain_stage(
-        cfg,
-        0,
-        data["examples"],
-        data["tokenizer"],
-        tmp_path / "ws",
-        RayConfig(num_workers=2, num_cpus=4),
-        TrackingConfig(tracking_uri=mlflow_uri, experiment="family-pretraining"),
-        f"fam-{group}",
+    summary = demo_data.pretrain(
+        cfg, data, tmp_path / "ws", mlflow_uri, f"fam-{group}", "family-pretraining"
     )
     evals = step_history(Path(summary["run_dir"]) / "evals.jsonl")
     first, last = evals[min(evals)], evals[max(evals)]

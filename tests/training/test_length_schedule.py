@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -282,28 +279,6 @@ def write_examples(root: Path, width: int, rows: int) -> tuple[Path, np.ndarray]
     }  # fmt: skip
     (root / "manifest.json").write_text(json.dumps(manifest))
     return root, np.asarray(lengths)
-
-
-@pytest.fixture
-def single_process_dist() -> Iterator[None]:
-    """World size 1 over gloo; DeepSpeed's shared-memory comm op is not built (~25 s of C++)."""
-    import deepspeed
-
-    with pytest.MonkeyPatch.context() as mp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0"}
-        for key, value in {**env, "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-            mp.setenv(key, value)
-        mp.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
-        # DeepSpeed caches its clone of the world group: a new process group needs a new clone.
-        mp.setattr(importlib.import_module("deepspeed.utils.groups"), "_WORLD_GROUP", None)
-        owned = not torch.distributed.is_initialized()
-        deepspeed.init_distributed(dist_backend="gloo")
-        yield
-        if owned:
-            torch.distributed.destroy_process_group()
 
 
 LOOP_SCHEDULES = [

@@ -2,7 +2,7 @@
 
 import dataclasses
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -42,13 +42,8 @@ DEBERTA_ATTRIBUTES = {"position_buckets", "norm_rel_ebd", "share_att_key"}
 SEQ2SEQ = {"t5", "bart"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Width-128 matmuls gain nothing from a second thread and crawl when cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls gain nothing from a second thread and crawl when cores are shared.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def count(model: torch.nn.Module) -> int:

@@ -78,16 +78,7 @@ def trained(objective: str, demo_data: Any, tmp_root: Path, mlflow_uri: str) -> 
         data = demo_data.examples(objective)
         storage = tmp_root / f"runs-{objective}"
         cfg = train_config(_FAMILY[objective], storage)
-        summary = pretrain_stage(
-            cfg,
-            0,
-            data["examples"],
-            data["tokenizer"],
-            tmp_root / "ws",
-            RayConfig(num_workers=2, num_cpus=4),
-            tracking(mlflow_uri),
-            f"acc-{objective}",
-        )
+        summary = demo_data.pretrain(cfg, data, tmp_root / "ws", mlflow_uri, f"acc-{objective}")
         _RUNS[objective] = {"summary": summary, "cfg": cfg, **data}
     return _RUNS[objective]
 
@@ -305,16 +296,7 @@ def test_distilled_student_has_half_the_teachers_layers_and_learns(
             "distillation": {"teacher": {"path": str(teacher_dir)}},
         },
     )
-    summary = pretrain_stage(
-        cfg,
-        0,
-        data["examples"],
-        data["tokenizer"],
-        tmp_path / "ws",
-        RayConfig(num_workers=2, num_cpus=4),
-        tracking(mlflow_uri),
-        "acc-distil",
-    )
+    summary = demo_data.pretrain(cfg, data, tmp_path / "ws", mlflow_uri, "acc-distil")
     evals = step_history(Path(summary["run_dir"]) / "evals.jsonl")
     first, last = evals[min(evals)], evals[max(evals)]
     for key in ("eval_loss", "eval_mlm_loss"):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +24,8 @@ from training.strategies import (
 VOCAB, SEQ, BATCH = 96, 12, 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Width-32 matmuls gain nothing from a second thread and crawl when cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny matmuls gain nothing from a second thread and crawl when cores are shared.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(family: str, **extra: Any) -> tf.PreTrainedConfig:
@@ -299,29 +292,6 @@ def test_head_lr_mult_scales_only_the_head_under_lora() -> None:
 
 
 # --- progressive unfreezing: plain AdamW and DeepSpeed (groups fixed at initialize) --------------
-
-
-@pytest.fixture(scope="module")
-def single_process_dist() -> Iterator[None]:
-    """World size 1 over gloo for DeepSpeed; its shm comm op is not built (a C++ JIT)."""
-    import deepspeed
-    from deepspeed.utils import groups
-
-    with pytest.MonkeyPatch.context() as mp, socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(sock.getsockname()[1])}
-        for key, value in {**env, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
-            mp.setenv(key, value)
-        mp.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
-        owned = not torch.distributed.is_initialized()
-        sock.close()
-        if owned:  # DeepSpeed caches a clone of the world group, stale once a group is destroyed
-            groups._WORLD_GROUP = None
-        deepspeed.init_distributed(dist_backend="gloo")
-        yield
-        if owned:
-            torch.distributed.destroy_process_group()
-            groups._WORLD_GROUP = None
 
 
 def torch_engine(model: torch.nn.Module, groups: list[dict[str, Any]]) -> tuple[Any, Callable]:
