@@ -90,13 +90,30 @@ _TINY_TOKENIZERS: dict[str, dict[str, Any]] = {
     "bert": {"family": "wordpiece", "vocab_size": 300, "min_frequency": 1},
     "gpt2": {"family": "bpe", "vocab_size": 400, "min_frequency": 1},
     "t5": {"family": "unigram", "vocab_size": 300, "extra_ids": 4, "min_frequency": 1},
+    "bart": {"family": "bpe", "bpe_style": "roberta", "vocab_size": 400, "min_frequency": 1},
+    "electra": {"family": "wordpiece", "vocab_size": 300, "min_frequency": 1},
 }
 _TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "bert": {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64},
     "gpt2": {"n_embd": 32, "n_head": 2, "n_inner": 64, "n_positions": 128},
     "t5": {"d_model": 32, "num_heads": 2, "d_ff": 64, "d_kv": 16},
+    "bart": {
+        "d_model": 32,
+        "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2,
+        "encoder_ffn_dim": 64,
+        "decoder_ffn_dim": 64,
+        "max_position_embeddings": 128,
+    },
+    "electra": {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64},
 }
-_TINY_OBJECTIVE = {"bert": "bert", "gpt2": "causal", "t5": "span_corruption"}
+_TINY_OBJECTIVE = {
+    "bert": "bert",
+    "gpt2": "causal",
+    "t5": "span_corruption",
+    "bart": "denoising",
+    "electra": "roberta",
+}
 
 
 def _tiny_sentences() -> list[str]:

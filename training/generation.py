@@ -63,7 +63,7 @@ def generation_config(
 
 
 def _positions(model: PreTrainedModel) -> int | None:
-    """Positions a decoder-only model can attend to (None: relative positions, no limit)."""
+    """Positions the model's position table holds (None: relative positions, no limit)."""
     for name in ("n_positions", "max_position_embeddings"):
         value = getattr(model.config, name, None)
         if value is not None:
@@ -109,7 +109,12 @@ def _batch_inputs(
 ) -> dict[str, torch.Tensor]:
     """Model inputs of one batch of prompts, on the model's device."""
     if model.config.is_encoder_decoder:  # the prompt is the encoder input, with its specials
-        enc = tokenizer(list(prompts), padding=True, truncation=True, return_tensors="pt")
+        # Cut to the encoder's position table too (BART's; T5 has none), whatever the
+        # tokenizer's own model_max_length says.
+        limit = _positions(model)
+        enc = tokenizer(
+            list(prompts), padding=True, truncation=True, max_length=limit, return_tensors="pt"
+        )
         ids, mask = enc["input_ids"], enc["attention_mask"]
     else:
         ids, mask = _left_padded(
@@ -154,10 +159,12 @@ def generate_texts(
                 batch = _batch_inputs(
                     model, tokenizer, prompts[start : start + settings.batch_size], settings
                 )
-                # (B, T_prompt + T_new) for decoder-only models, (B, 1 + T_new) for T5
+                # (B, T_prompt + T_new) for decoder-only models, (B, 1 + T_new) for T5 and BART
                 out = model.generate(**batch, generation_config=config)  # type: ignore[operator]
                 if not model.config.is_encoder_decoder:
                     out = out[:, batch["input_ids"].shape[1] :]  # drop the prompt
+                else:  # drop the decoder start: T5's pad, but BART's is eos (`</s>`)
+                    out = out[:, 1:]
                 texts += [_new_text(tokenizer, row, tokenizer.eos_token_id) for row in out]
     finally:
         model.train(was_training)

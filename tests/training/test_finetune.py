@@ -34,6 +34,8 @@ TASKS = [
     ("conll", "bert", "entity_f1"),
     ("squad", "bert", "exact_match"),
     ("xsum", "t5", "rougeL"),
+    ("xsum", "bart", "rougeL"),  # BART fine-tunes for summarization
+    ("cola", "electra", "mcc"),  # the exported ELECTRA discriminator classifies
     ("wmt16", "t5", "bleu"),
     ("instructions", "gpt2", "perplexity"),
 ]
