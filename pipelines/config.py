@@ -37,6 +37,7 @@ from training.compare import CompareConfig
 from training.config import TrainConfig
 from training.evaluate import EvaluateConfig
 from training.finetune_config import FinetuneConfig
+from training.length_schedule import LengthScheduleError, check_length_schedule
 from training.tracking import TrackingConfig
 
 
@@ -140,6 +141,18 @@ class RunConfig(BaseModel):
                     "the credential in its secret field or the environment (never logged)"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _length_schedule_fits_the_examples(self) -> RunConfig:
+        # Needs both sections, so it is checked here, before any stage runs (the training
+        # loop checks again at its first step).
+        objective = self.examples.objective
+        full = self.examples.block_size if objective == "causal" else self.examples.max_seq_length
+        try:
+            check_length_schedule(self.train.length_schedule, objective, full)
+        except LengthScheduleError as err:
+            raise ValueError(str(err)) from None
+        return self
 
 
 # Plain-text URL fields of each section, checked for an embedded `user:password@`.

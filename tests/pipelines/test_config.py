@@ -105,3 +105,41 @@ def test_secrets_never_reach_dumps_or_errors(recipe: Path) -> None:
 def test_demo_recipe_is_valid() -> None:
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")
     assert cfg.ingest.sources[0].format == "jsonl"
+
+
+def test_roberta_recipe_is_valid_with_its_length_schedule() -> None:
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "roberta_recipe.yaml")
+    assert cfg.train.model.family == "roberta"
+    assert cfg.examples.objective == "roberta"
+    assert cfg.train.length_schedule is not None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["train.length_schedule={mode: alternate, short: 4096, every: 2}"],
+            "exceeds the examples",
+        ),
+        (
+            [
+                "examples.objective=causal",
+                "examples.block_size=64",
+                "train.length_schedule={mode: alternate, short: 24, every: 2}",
+            ],
+            "does not divide",
+        ),
+        (
+            [
+                "examples.objective=span_corruption",
+                "train.length_schedule={mode: alternate, short: 8, every: 2}",
+            ],
+            "not 'span_corruption'",
+        ),
+    ],
+)
+def test_length_schedule_is_checked_against_the_examples_before_any_stage(
+    recipe: Path, overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(recipe, overrides)
