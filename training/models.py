@@ -363,6 +363,9 @@ def _check_overrides(family: Family, overrides: Mapping[str, Value]) -> None:
     # attributes, so a misspelled key would otherwise be ignored by the model.
     known = {field.name for field in dataclasses.fields(config_class)}
     known |= {"decoder_start_token_id", *config_class.attribute_map}  # aliases: GPT-2 hidden_size
+    # Fields a model reads by getattr, not declared by its config class (DeBERTa-v3's
+    # position_buckets, norm_rel_ebd, share_att_key): the presets set them, so may the user.
+    known |= set(presets.preset(FAMILIES[family].preset, "base"))
     for key in overrides:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=3)

@@ -240,3 +240,12 @@ def test_export_reloads_with_its_auto_class(family: Family, tmp_path: Path) -> N
     assert family_of(reloaded.config) == family
     for name, tensor in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
+
+
+def test_deberta_fields_read_by_getattr_are_accepted_as_overrides() -> None:
+    cfg = ModelConfig(family="deberta", overrides={"position_buckets": 128})
+    assert model_config_for(cfg, 1024, SPECIALS, 128).position_buckets == 128
+    with pytest.raises(ModelConfigError, match="did you mean position_buckets"):
+        model_config_for(
+            ModelConfig(family="deberta", overrides={"position_bucket": 128}), 1024, SPECIALS, 128
+        )
