@@ -57,27 +57,19 @@ def build_pretraining_model(
             raise PretrainingModelError("train.distillation needs its teacher resolved first")
         if tokenizer_dir is not None:
             check_tokenizer(teacher_dir, tokenizer_dir)
-        model: nn.Module = build_distillation(
-            teacher_dir, cfg.distillation, vocab_size, cfg.model.dropout
-        )
-        _checkpointing(model, cfg)
-        return model
+        distilled = build_distillation(teacher_dir, cfg.distillation, vocab_size, cfg.model.dropout)
+        if cfg.model.activation_checkpointing:
+            distilled.student.activation_checkpointing_enable()
+        return distilled
     base = build_model(cfg.model, objective, vocab_size, specials, max_length)
     if family != "electra":
         return base
     assert isinstance(base, tf.ElectraForPreTraining)
     gen = generator_config(base.config, cfg.model.size, cfg.electra)
     model = ElectraPretrainer(base, gen, cfg.electra)
-    _checkpointing(model, cfg)
+    if cfg.model.activation_checkpointing:  # build_model did the discriminator's
+        model.generator.activation_checkpointing_enable()
     return model
-
-
-def _checkpointing(model: nn.Module, cfg: TrainConfig) -> None:
-    if not cfg.model.activation_checkpointing:
-        return
-    for module in model.children():
-        if isinstance(module, tf.PreTrainedModel):
-            module.activation_checkpointing_enable()
 
 
 def zero3_leaf_modules(model: nn.Module) -> list[type[nn.Module]]:

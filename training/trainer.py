@@ -7,7 +7,6 @@ finished and resumed (with `resume=True`) when it stopped.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.io import fingerprint, source_hash
+from tasks.io import fingerprint, sha256_file, source_hash
 from tasks.ray_runtime import RayConfig, ensure_ray
 from training import checkpoint as ckpt
 from training.config import ScaleConfig, TrainConfig
@@ -59,22 +58,13 @@ def run_id_for(
         "tokenizer": json.loads((tokenizer_dir / "manifest.json").read_text())["fingerprint"],
     }
     if teacher_dir is not None:
-        inputs["teacher"] = _weights_sha256(teacher_dir)
+        weights = sorted(teacher_dir.glob("*.safetensors"))
+        inputs["teacher"] = {shard.name: sha256_file(shard) for shard in weights}
     # Where checkpoints go, how often we log and how many workers share the global batch do not
     # change what is trained: a run resumes at another worker count (docs/pretraining.md).
     train = cfg.model_dump(mode="json", exclude={"checkpoint", "log_every_steps", "eval", "scale"})
     code = source_hash("tasks", "training")
     return fingerprint({"inputs": inputs, "train": train, "seed": seed, "code": code})
-
-
-def _weights_sha256(model_dir: Path) -> str:
-    digest = hashlib.sha256()
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        digest.update(shard.name.encode())
-        with shard.open("rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def storage_root(cfg: TrainConfig, workspace: Path) -> Path:
