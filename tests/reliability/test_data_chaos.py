@@ -325,14 +325,17 @@ def kill_at_random_point(
 
     The point: the k-th of the clean run's N finished files (k uniform over all but the last
     `TAIL_FILES`, so that the kill lands before the stage finishes), then a random fraction of
-    the clean run's mean time between two files, so that kills land mid-write too. Returns it.
+    the clean run's mean time between two files, so that kills land mid-write too. A worker
+    victim's k is drawn from the first half of that range: near the end the Ray tasks may all
+    have returned while the driver commits the last files, leaving no worker to kill. Returns it.
     """
     # The output directory is the fingerprint of inputs, config and the tasks/ code: if the
     # code changed since the clean run, the subprocess writes elsewhere and this fails.
     wait_until(lambda: watcher.began_at is not None, process, f"{stage} wrote nothing", log)
     began_at = watcher.began_at or 0.0
     total = clean.files[stage]
-    k = rng.randrange(max(total - TAIL_FILES, 1))
+    span = max(total - TAIL_FILES, 1)
+    k = rng.randrange(span if victim == "driver" else max(span // 2, 1))
     jitter_s = rng.random() * clean.write_s[stage] / max(total, 1)
 
     def reached() -> bool:
