@@ -4,13 +4,21 @@ The cluster is this module's own: `ray start --head` and `ray start --address` a
 each node with its own temp dir (so the nodes never share `runtime_resources`: STACK_NOTES §2),
 its own ports and resources, token auth with a token file under the cluster's folder, and the
 dashboard on 127.0.0.1. It is stopped by killing exactly the processes it started.
+
+Ray 2.60's multi-node GCS and raylet listen on every interface whatever `--node-ip-address`
+says (docs/cluster.md), so the whole cluster, and every client the tests run against it, lives
+in a private network namespace whose only interface is `lo`: nothing the cluster opens is
+reachable from outside this machine's loopback, which
+`test_cluster_listens_only_on_its_private_loopback` checks socket by socket.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -32,7 +40,6 @@ from pipelines.submit import (
     SubmitError,
     build_entrypoint,
     build_runtime_env,
-    connect,
     recipe_in_project,
     refused_overrides,
     resolve_address,
@@ -48,6 +55,54 @@ RECIPE = "configs/demo.yaml"
 
 
 @dataclass
+class Loopback:
+    """A private network namespace with only `lo` (up), held open by one `sleep` process.
+
+    Unprivileged, it needs a user namespace too (`unshare -rn`); as root a network namespace
+    alone does. `command` wraps an argv so that it runs inside.
+    """
+
+    holder: subprocess.Popen[bytes]
+    nsenter: list[str]
+
+    @classmethod
+    def open(cls) -> Loopback:
+        user = os.geteuid() != 0
+        unshare = ["unshare", "--net", *(["--map-root-user"] if user else [])]
+        holder = subprocess.Popen(
+            [*unshare, "sh", "-c", "ip link set lo up && echo up && exec sleep infinity"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert holder.stdout is not None
+        assert holder.stderr is not None
+        if holder.stdout.readline() != b"up\n" or _net_devices(holder.pid) != ["lo"]:
+            holder.kill()
+            why = holder.stderr.read().decode(errors="replace").strip()
+            raise OSError(f"cannot open a private network namespace: {why}")
+        flags = ["--net", *(["--user", "--preserve-credentials"] if user else [])]
+        return cls(holder, ["nsenter", f"--target={holder.pid}", *flags, "--"])
+
+    def command(self, argv: list[str]) -> list[str]:
+        return [*self.nsenter, *argv]
+
+    @property
+    def inode(self) -> str:
+        return os.readlink(f"/proc/{self.holder.pid}/ns/net")
+
+    def close(self) -> None:
+        self.holder.kill()  # the one process this class started, by its handle
+        self.holder.wait(timeout=10)
+
+
+def _net_devices(pid: int) -> list[str]:
+    """The interfaces of `pid`'s network namespace, from /proc/PID/net/dev."""
+    lines = Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
+    return sorted(line.split(":", 1)[0].strip() for line in lines)
+
+
+@dataclass
 class LocalCluster:
     """A head and a worker node started by this module, and how to reach them."""
 
@@ -55,7 +110,22 @@ class LocalCluster:
     gcs_port: int
     dashboard_url: str
     client_env: dict[str, str]
+    loopback: Loopback
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def run(
+        self, argv: list[str], env: dict[str, str] | None = None, timeout_s: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a client command inside the cluster's namespace, from the project directory."""
+        return subprocess.run(
+            self.loopback.command(argv),
+            env=self.client_env if env is None else env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
 
 
 def _free_ports(count: int) -> list[int]:
@@ -63,7 +133,7 @@ def _free_ports(count: int) -> list[int]:
     try:
         for _ in range(count):
             sock = socket.socket()
-            sock.bind(("", 0))  # Ray's gRPC servers listen on every interface
+            sock.bind(("", 0))  # free here too; the cluster's namespace starts empty
             socks.append(sock)
         return [s.getsockname()[1] for s in socks]
     finally:
@@ -90,8 +160,11 @@ def _start_node(cluster: LocalCluster, name: str, args: list[str]) -> None:
     log = cluster.root / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            # --block keeps `ray start` as the parent of every process of the node.
-            [str(VENV_BIN / "ray"), "start", "--block", "--disable-usage-stats", *args],
+            # --block keeps `ray start` as the parent of every process of the node; nsenter
+            # execs it (no fork without a PID namespace), so `proc` is `ray start` itself.
+            cluster.loopback.command(
+                [str(VENV_BIN / "ray"), "start", "--block", "--disable-usage-stats", *args]
+            ),
             env=cluster.client_env | {"PREFECT_HOME": str(cluster.root / "prefect")},
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -168,7 +241,8 @@ while len(list_nodes(address="{cluster.dashboard_url}", filters=alive)) < {count
         raise SystemExit("the cluster never had {count} alive nodes")
     time.sleep(0.5)
 """
-    subprocess.run([sys.executable, "-c", script], env=cluster.client_env, check=True, timeout=120)
+    result = cluster.run([sys.executable, "-c", script])
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +262,14 @@ def ray_cluster() -> Iterator[LocalCluster]:
         "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     }
     gcs_port, dashboard_port, client_port = _free_ports(3)
-    cluster = LocalCluster(root, gcs_port, f"http://127.0.0.1:{dashboard_port}", env)
+    try:
+        loopback = Loopback.open()
+    except OSError as exc:
+        shutil.rmtree(root, ignore_errors=True)
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"no private network namespace for the test cluster here: {exc}")
+    cluster = LocalCluster(root, gcs_port, f"http://127.0.0.1:{dashboard_port}", env, loopback)
     try:
         head = [
             "--head",
@@ -206,21 +287,14 @@ def ray_cluster() -> Iterator[LocalCluster]:
         yield cluster
     finally:
         _stop(cluster)
+        loopback.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
 def _lmpipe(
-    args: list[str], env: dict[str, str], timeout_s: float
+    cluster: LocalCluster, args: list[str], env: dict[str, str], timeout_s: float
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(VENV_BIN / "lmpipe"), *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
+    return cluster.run([str(VENV_BIN / "lmpipe"), *args], env, timeout_s)
 
 
 @pytest.mark.slow
@@ -236,15 +310,7 @@ try:
 except StorageError as exc:
     print("REFUSED:", exc)
 """
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        env=ray_cluster.client_env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = ray_cluster.run([sys.executable, "-c", script])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "REFUSED: workspace /tmp/lmpipe-ws is a local path" in result.stdout
     assert "the Ray cluster has 2 nodes" in result.stdout
@@ -263,7 +329,7 @@ def test_submit_refuses_local_workspace_on_two_nodes_before_submitting(
         "--address",
         ray_cluster.dashboard_url,
     ]
-    result = _lmpipe(args, ray_cluster.client_env, timeout_s=120)
+    result = _lmpipe(ray_cluster, args, ray_cluster.client_env, timeout_s=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"workspace {tmp_path / 'ws'} is a local path" in result.stderr
     assert "the Ray cluster has 2 nodes" in result.stderr
@@ -273,15 +339,81 @@ def test_submit_refuses_local_workspace_on_two_nodes_before_submitting(
 @pytest.mark.slow
 @pytest.mark.integration
 def test_job_server_refuses_a_client_without_the_clusters_token(ray_cluster: LocalCluster) -> None:
-    # This process holds another token (or none): the cluster's own is only in its token file.
-    with pytest.raises(SubmitError, match=r"(?is)cannot reach the Ray job server.*authentication"):
-        connect(ray_cluster.dashboard_url)
+    # This client holds another token: the cluster's own is only in its token file.
+    script = f"""
+from pipelines.submit import SubmitError, connect
+try:
+    connect("{ray_cluster.dashboard_url}")
+except SubmitError as exc:
+    print("REFUSED:", exc)
+"""
+    env = ray_cluster.client_env | {"RAY_AUTH_TOKEN_PATH": str(ray_cluster.root / "other")}
+    (ray_cluster.root / "other").write_text(secrets.token_hex(32))
+    result = ray_cluster.run([sys.executable, "-c", script], env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    refused = r"(?is)REFUSED: cannot reach the Ray job server.*authentication"
+    assert re.search(refused, result.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_cluster_listens_only_on_its_private_loopback(ray_cluster: LocalCluster) -> None:
+    # On the host's network, Ray rewrites the node IP 127.0.0.1 to the host's address and its
+    # GCS and raylet bind every interface. In a namespace with `lo` alone there is no such
+    # address: the node IP stays 127.0.0.1 and every server binds loopback, which is checked
+    # here address by address, with the namespace as a second wall.
+    assert _net_devices(ray_cluster.loopback.holder.pid) == ["lo"]
+    assert ray_cluster.loopback.inode != os.readlink("/proc/self/ns/net")
+    listening: dict[str, list[str]] = {}
+    for proc in _tree(ray_cluster):
+        with contextlib.suppress(psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
+            if sockets := _listening(proc.pid):
+                assert os.readlink(f"/proc/{proc.pid}/ns/net") == ray_cluster.loopback.inode
+                listening.setdefault(proc.name(), []).extend(sockets)
+    assert {"gcs_server", "raylet"} <= set(listening), listening
+    assert f"127.0.0.1:{ray_cluster.gcs_port}" in listening["gcs_server"], listening
+    wide = {name: [a for a in found if not _loopback(a)] for name, found in listening.items()}
+    assert not any(wide.values()), f"listening beyond loopback: {wide}"
+
+
+def _listening(pid: int) -> list[str]:
+    """`ADDRESS:PORT` of every TCP socket `pid` listens on, read in its own namespace.
+
+    psutil matches a process's socket inodes against the caller's /proc/net/tcp, so it sees
+    nothing in another network namespace; /proc/PID/net/tcp{,6} is the process's own table.
+    """
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: TCP_LISTEN
+                address, port = fields[1].split(":")
+                found.append(f"{_address(address)}:{int(port, 16)}")
+    return found
+
+
+def _address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address of /proc/net/tcp (little-endian 32-bit words); IPv4-mapped IPv6 as IPv4."""
+    words = [bytes.fromhex(hex_address[i : i + 8])[::-1] for i in range(0, len(hex_address), 8)]
+    address = ipaddress.ip_address(b"".join(words))
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped or address
+
+
+def _loopback(listen: str) -> bool:
+    return ipaddress.ip_address(listen.rsplit(":", 1)[0]).is_loopback
 
 
 @pytest.mark.slow
 @pytest.mark.integration
 def test_submit_tiny_pipeline_to_two_node_cluster_registers_model(
-    ray_cluster: LocalCluster, prefect_api: str, tmp_path: Path
+    ray_cluster: LocalCluster, tmp_path: Path
 ) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -305,9 +437,10 @@ def test_submit_tiny_pipeline_to_two_node_cluster_registers_model(
         "train.eval.max_samples=16",
         "evaluate.intrinsic.heldout_max_samples=16",
     ]
-    env = ray_cluster.client_env | {"PREFECT_API_URL": prefect_api}
+    # The session's Prefect API is on the host's loopback, out of the cluster's namespace: the
+    # job's flow runs on Prefect's ephemeral API (under the nodes' PREFECT_HOME) instead.
     args = ["submit", RECIPE, *overrides, "--address", ray_cluster.dashboard_url]
-    result = _lmpipe(args, env, timeout_s=400)
+    result = _lmpipe(ray_cluster, args, ray_cluster.client_env, timeout_s=400)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert "submitted Ray job raysubmit_" in result.stdout
     assert f"ray job stop --address {ray_cluster.dashboard_url} raysubmit_" in result.stdout
