@@ -9,12 +9,15 @@ worker finished first.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import xxhash
-from datasketch import LeanMinHash, MinHash, MinHashLSH
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from datasketch import LeanMinHash
 
 HASH_HI = "hash_hi"
 HASH_LO = "hash_lo"
@@ -81,6 +84,9 @@ def minhash_signatures(texts: pa.Array, cfg: NearDedupConfig) -> pa.Array:
         k = min(cfg.shingle_words, max(len(words), 1))
         shingles = {" ".join(words[i : i + k]).encode() for i in range(max(len(words) - k + 1, 1))}
         shingle_sets.append(list(shingles))
+    # Imported here: datasketch pulls in scipy (~1 s), which only near dedup needs.
+    from datasketch import MinHash
+
     hashes = MinHash.bulk(
         shingle_sets,
         num_perm=cfg.num_perm,
@@ -105,6 +111,8 @@ def near_keep_mask(
 
     `prior` holds signatures of documents kept by an earlier ingest; they are never dropped.
     """
+    from datasketch import LeanMinHash, MinHashLSH  # see minhash_signatures
+
     lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
     kept: dict[int, LeanMinHash] = {}
 

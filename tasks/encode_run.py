@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.figure import Figure
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from tokenizers import Tokenizer
@@ -165,6 +164,9 @@ def summary_metrics(total: dict[str, Any]) -> dict[str, float]:
 
 def plot_histogram(total: dict[str, Any], path: Path) -> None:
     """Draw the tokens-per-document histogram (log-spaced bins) as a PNG, atomically."""
+    # Imported here: matplotlib costs every `lmpipe` command's start, and only this plot needs it.
+    from matplotlib.figure import Figure
+
     counts = np.asarray(total["histogram"])
     used = np.flatnonzero(counts)
     figure = Figure(figsize=(8, 4.5), dpi=100)

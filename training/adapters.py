@@ -22,7 +22,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal
 
-import peft
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import load_file, save_file
@@ -345,6 +344,16 @@ def peft_task_type(model: torch.nn.Module) -> str:
     raise ValueError(f"{cls} is no task class peft supports ({[s for s, _ in _TASKS]})")
 
 
+def load_peft() -> Any:
+    """The `peft` module, imported on first use."""
+    # peft imports transformers' DeepSpeed integration, accelerate and a model module (several
+    # seconds): every `lmpipe` command would pay for it at start, though only LoRA and prompt
+    # tuning use it.
+    import peft
+
+    return peft
+
+
 def quiet_peft(build: Any, *args: Any) -> Any:
     """Call a peft function with the transformers 5 deprecation it triggers silenced."""
     with warnings.catch_warnings():  # peft calls `is_gradient_checkpointing`, a v5 alias
@@ -355,7 +364,7 @@ def quiet_peft(build: Any, *args: Any) -> Any:
 def unwrap_saved_modules(model: torch.nn.Module) -> torch.nn.Module:
     """Put the trained copy of each peft `modules_to_save` head back in its place (in place)."""
     wrappers = [
-        n for n, m in model.named_modules() if isinstance(m, peft.utils.ModulesToSaveWrapper)
+        n for n, m in model.named_modules() if isinstance(m, load_peft().utils.ModulesToSaveWrapper)
     ]
     for name in wrappers:
         parent_name, _, child = name.rpartition(".")
@@ -390,12 +399,12 @@ def load_prompt(model: torch.nn.Module, directory: Path) -> torch.nn.Module:
     meta = directory / PROMPT_CONFIG
     record = json.loads(meta.read_text(encoding="utf-8"))
     try:
-        config = peft.PromptTuningConfig(
+        config = load_peft().PromptTuningConfig(
             task_type=record["task_type"], num_virtual_tokens=int(record["num_virtual_tokens"])
         )
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{meta}: needs task_type and num_virtual_tokens ({err})") from err
-    wrapped = quiet_peft(peft.get_peft_model, model, config)
+    wrapped = quiet_peft(load_peft().get_peft_model, model, config)
     saved, target = load_file(str(directory / PROMPT_FILE))["prompt"], prompt_weight(wrapped)
     if saved.shape != target.shape:
         raise ValueError(

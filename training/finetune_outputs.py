@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from sklearn.metrics import confusion_matrix
 
 from tasks import schema
 from tasks.io import write_json_atomic
@@ -66,6 +65,8 @@ def run_result(
         and "test" in data.tables
     ):
         gold = data.tables["test"].column(schema.LABEL).to_numpy()[: len(test_predictions)]
+        from sklearn.metrics import confusion_matrix  # see training/metrics.py: import cost
+
         matrix = confusion_matrix(gold, test_predictions, labels=list(range(len(data.labels))))
         result["confusion_matrix"] = matrix.tolist()
     return result

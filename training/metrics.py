@@ -5,6 +5,10 @@ The metrics come from scikit-learn, SciPy, seqeval, sacrebleu and rouge-score; o
 `tasks.schema.DOWNSTREAM_TASK_TYPES` task type and returns stable keys (fractions in [0, 1],
 except `bleu`/`chrf` on sacrebleu's 0-100); `primary_metric` picks the model-selection one. See
 docs/metrics.md. No torch here: logits to predictions or probabilities is the caller's job.
+
+The metric libraries are imported inside the functions that use them: together (SciPy, pandas
+through scikit-learn, NLTK through rouge-score) they cost every `lmpipe` command about a second
+at start, and a cached pipeline run computes no metric.
 """
 
 from __future__ import annotations
@@ -16,12 +20,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import sacrebleu
-import seqeval.metrics
-from rouge_score import rouge_scorer
-from scipy import stats
-from seqeval.scheme import IOB2
-from sklearn import metrics as skm
 
 from tasks.schema import DOWNSTREAM_TASK_TYPES
 from training.metrics_squad import squad_metrics
@@ -85,6 +83,8 @@ def auc_roc(references: Sequence[Label], scores: npt.ArrayLike, labels: Sequence
     Raises:
         ValueError: Fewer than two classes occur in `references`, or the scores are malformed.
     """
+    from sklearn import metrics as skm
+
     _check_aligned("auc_roc", np.asarray(scores), references)
     present = [label for label in labels if label in set(references)]
     if len(present) < 2:
@@ -120,6 +120,8 @@ def classification_metrics(
         `accuracy`, `precision_/recall_/f1_` + `macro`/`micro`/`weighted`, `mcc`, `f1_positive`
         (two labels only: F1 of `labels[1]`) and `auc_roc` (probability input only).
     """
+    from sklearn import metrics as skm
+
     raw = np.asarray(predictions)
     _check_aligned("classification", raw, references)
     _check_known("references", np.asarray(references).tolist(), labels)
@@ -155,6 +157,9 @@ def regression_metrics(predictions: npt.ArrayLike, references: npt.ArrayLike) ->
     Predictions of shape (N, 1), as a one-output regression head gives them, are flattened. A
     correlation with a constant input is undefined and comes back as NaN.
     """
+    from scipy import stats
+    from sklearn import metrics as skm
+
     y_pred = np.asarray(predictions, dtype=np.float64).reshape(-1)
     y_true = np.asarray(references, dtype=np.float64).reshape(-1)
     _check_aligned("regression", y_pred, y_true)
@@ -212,6 +217,9 @@ def token_classification_metrics(
         references: The gold tag strings, aligned token by token with `predictions`.
         labels: If given, the allowed tag strings; any other tag is an error.
     """
+    import seqeval.metrics
+    from seqeval.scheme import IOB2
+
     _check_tag_sequences(predictions, references, labels)
     y_true, y_pred = [list(tags) for tags in references], [list(tags) for tags in predictions]
     out = {"token_accuracy": float(seqeval.metrics.accuracy_score(y_true, y_pred))}
@@ -258,6 +266,9 @@ def generation_metrics(
         references: One reference string per example, or a list of references per example
             (every example must have the same number).
     """
+    import sacrebleu
+    from rouge_score import rouge_scorer
+
     per_example = _reference_streams(predictions, references)
     streams = [list(stream) for stream in zip(*per_example, strict=True)]
     out = {

@@ -13,12 +13,10 @@ import base64
 import html
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display: render to files only
-import matplotlib.pyplot as plt
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -34,10 +32,19 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _figure(width: float, height: float) -> Figure:
+    """A Figure of `width` x `height` inches, outside pyplot (no global state to close)."""
+    # Imported here: matplotlib costs every `lmpipe` command's start, and only reports draw.
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height))
+
+
 def curves_png(history: Sequence[Mapping[str, Any]], metric: str, out: Path) -> Path:
     """Train loss and the validation `metric` per epoch, side by side."""
     epochs = [int(r["epoch"]) + 1 for r in history]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig = _figure(9, 3.4)
+    left, right = fig.subplots(1, 2)
     left.plot(epochs, [r["train_loss"] for r in history], marker="o", label="train loss")
     if history and "loss" in history[0]:
         left.plot(epochs, [r["loss"] for r in history], marker="o", label="validation loss")
@@ -50,14 +57,14 @@ def curves_png(history: Sequence[Mapping[str, Any]], metric: str, out: Path) -> 
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 
 def confusion_png(matrix: Sequence[Sequence[int]], labels: Sequence[str], out: Path) -> Path:
     """A confusion matrix heat map (rows: true label, columns: predicted), counts annotated."""
     size = max(3.0, 0.6 * len(labels) + 1.5)
-    fig, ax = plt.subplots(figsize=(size, size))
+    fig = _figure(size, size)
+    ax = fig.subplots()
     ax.imshow(matrix, cmap="Blues")
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
     ax.set_yticks(range(len(labels)), labels)
@@ -68,7 +75,6 @@ def confusion_png(matrix: Sequence[Sequence[int]], labels: Sequence[str], out: P
             ax.text(j, i, str(count), ha="center", va="center")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 
@@ -76,7 +82,8 @@ def bar_chart_png(
     names: Sequence[str], means: Sequence[float], spreads: Sequence[float], metric: str, out: Path
 ) -> Path:
     """Mean ± standard deviation of `metric` per strategy."""
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(names) + 1.5), 3.4))
+    fig = _figure(max(4.0, 1.1 * len(names) + 1.5), 3.4)
+    ax = fig.subplots()
     ax.bar(names, means, yerr=spreads, capsize=4, color="C0")
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} by strategy (mean ± std over seeds)")
@@ -84,7 +91,6 @@ def bar_chart_png(
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import peft
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedModel
@@ -210,6 +209,7 @@ def _lora(model: PreTrainedModel, cfg: StrategyConfig, heads: Sequence[str]) -> 
     targets = cfg.lora.target_modules or adapter_lib.LORA_TARGETS.get(family)
     if not targets:
         raise ValueError(f"no default LoRA target modules for {family!r}: set lora.target_modules")
+    peft = adapter_lib.load_peft()
     config = peft.LoraConfig(
         task_type=peft_task_type(model),
         r=cfg.lora.r,
@@ -243,6 +243,7 @@ def _check_prompt_support(model: torch.nn.Module, task: str) -> None:
 def _prompt_tuning(model: PreTrainedModel, cfg: StrategyConfig, heads: Sequence[str]) -> Any:
     task = peft_task_type(model)
     _check_prompt_support(model, task)
+    peft = adapter_lib.load_peft()
     config = peft.PromptTuningConfig(
         task_type=task,
         num_virtual_tokens=cfg.prompt.num_virtual_tokens,
