@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -258,11 +259,12 @@ def prune(
 def to_universal(ckpt: Path, out: Path) -> Path:
     """Convert `ckpt`'s ZeRO shards into DeepSpeed's universal format; return the load dir.
 
-    A ZeRO-partitioned optimizer state is cut by the data-parallel world size it was saved at;
-    the universal format holds every parameter's fp32 weights and Adam moments whole, so that
-    a run can resume at another worker count. `out/<TAG>` is rewritten; `out` is returned, to
-    pass to `engine.load_checkpoint(out, tag=TAG)` with `load_universal` on. Call it only on a
-    validated checkpoint: DeepSpeed unpickles the shards.
+    A ZeRO-partitioned optimizer state (at ZeRO-3 the weights too) is cut by the data-parallel
+    world size it was saved at; the universal format holds every parameter's fp32 weights and
+    Adam moments whole, so that a run can resume at another worker count (ZeRO-1, 2 and 3).
+    `out/<TAG>` is rewritten; `out` is returned, to pass to `engine.load_checkpoint(out,
+    tag=TAG)` with `load_universal` on. Call it only on a validated checkpoint: DeepSpeed
+    unpickles the shards.
     """
     import argparse
 
@@ -282,6 +284,34 @@ def to_universal(ckpt: Path, out: Path) -> Path:
         )
     )
     return out
+
+
+def reference_rtol(precision: str) -> float:
+    """How far a reloaded model's reference-batch loss may be from the saved one, relatively."""
+    return 1e-4 if precision == "fp32" else 5e-2
+
+
+def check_resharded(ckpt: Path, meta: dict[str, Any], loss: float, world_size: int) -> None:
+    """Check the weights loaded at another worker count give the reference loss saved with them.
+
+    `loss` is the fixed reference batch's eval-mode loss right after the load; `meta` is the
+    checkpoint's. A checkpoint without a reference (written before it was recorded) passes.
+
+    Raises:
+        CheckpointError: the loss differs beyond `reference_rtol`: the resharding lost or
+            mixed up weights.
+    """
+    saved = meta.get("reference", {}).get("loss")
+    if saved is None:
+        return
+    rtol = reference_rtol(meta["train"]["precision"])
+    if not math.isclose(loss, saved, rel_tol=rtol, abs_tol=1e-12):
+        raise CheckpointError(
+            f"{ckpt}: resharded from {meta['world_size']} to {world_size} workers (ZeRO stage "
+            f"{meta['train']['zero_stage']}), the weights give reference loss {loss!r}, not the "
+            f"saved {saved!r} (rtol {rtol}); resume with train.scale.num_workers="
+            f"{meta['world_size']}"
+        )
 
 
 def rng_state() -> dict[str, Any]:

@@ -182,10 +182,7 @@ class Worker:
         if choice[0] is None:
             return
         path, meta = Path(choice[0][0]), choice[0][1]
-        if meta["world_size"] != self.ctx.world_size and self.cfg.zero_stage > 0:
-            self._load_resharded(path, int(meta["world_size"]))
-        else:
-            self.engine.load_checkpoint(str(path), tag=ckpt.TAG)
+        checked = self._load(path, meta)
         self.step = int(meta["step"])
         self.schedule.steps_done = self.step
         self.schedule.refresh()
@@ -204,9 +201,29 @@ class Worker:
         log.info("resumed from %s (step %d, epoch %d)", path.name, self.step, self.cursor.epoch)
         if self.ctx.rank == 0:  # the run's resume history, for operators and the fault tests
             row = {"checkpoint": path.name, "step": self.step, "world": self.ctx.world_size}
+            row |= checked
             with open(self.ctx.run_dir / "resumes.jsonl", "a") as handle:
                 handle.write(json.dumps(row | {"time": time.time()}) + "\n")
         self.telemetry.resumed(self.step)
+
+    def _load(self, path: Path, meta: dict[str, Any]) -> dict[str, float]:
+        """Load the engine's state from `path`; at another worker count, check the weights.
+
+        Returns the reference-batch loss measured after a load at another worker count (for
+        the resume history), else nothing.
+        """
+        saved_world = int(meta["world_size"])
+        if saved_world == self.ctx.world_size:
+            self.engine.load_checkpoint(str(path), tag=ckpt.TAG)
+            return {}
+        if self.cfg.zero_stage > 0:
+            self._load_resharded(path, saved_world)
+        else:  # ZeRO-0: one file holds the whole model and optimizer, at any worker count
+            self.engine.load_checkpoint(str(path), tag=ckpt.TAG)
+        # One forward on every rank (ZeRO-3 gathers): the weights must give the saved loss.
+        loss = self.reference_loss()["loss"]
+        ckpt.check_resharded(path, meta, loss, self.ctx.world_size)
+        return {"reference_loss": loss}
 
     def _load_resharded(self, path: Path, saved_world: int) -> None:
         """Load a ZeRO checkpoint saved at another worker count, through the universal format."""

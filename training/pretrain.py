@@ -78,7 +78,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> tuple[Path, ModelCard]
     def loss_fn(m: Any, b: Any) -> float:
         return float(export_loss(m, objective, b, cfg.sparse_mlm))
 
-    rtol = 1e-4 if cfg.precision == "fp32" else 5e-2
+    rtol = ckpt.reference_rtol(cfg.precision)
     reload_check(out_dir, cfg.model.family, batch, meta["reference"]["loss"], loss_fn, rtol)
     return out_dir, card
 

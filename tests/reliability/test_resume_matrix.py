@@ -4,10 +4,13 @@ A run is stopped (`stop_at_step`, a checkpoint at that step) mid-epoch in epoch 
 epoch boundary, or mid-epoch in a later epoch, then resumed with 1 or 2 workers. The committed
 sample history must be exactly the global order's: every step's global batch, in order, none
 missing, none twice. A ZeRO checkpoint resumed at another worker count goes through DeepSpeed's
-universal format (training/loop.py `_load_resharded`).
+universal format (training/loop.py `_load_resharded`), and the resumed weights must give the
+reference-batch loss saved with the checkpoint. ZeRO-2 runs every case; ZeRO-3 (whose weights
+are partitioned too) the resharded ones.
 
-`make test` runs one case (stopped mid-epoch 1 at 2 workers, resumed at 1: a later epoch and a
-ZeRO checkpoint resharded); `make test-reliability` all 12.
+`make test` runs two cases: ZeRO-2 stopped mid-epoch 1 at 2 workers, resumed at 1 (a later
+epoch), and ZeRO-3 stopped mid-epoch 0 at 1 worker, resumed at 2 for one step; `make
+test-reliability` all 18, each to step 8.
 """
 
 from __future__ import annotations
@@ -29,18 +32,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability
 GLOBAL_BATCH, MAX_STEPS = 512, 8
 # The demo bert examples' train split holds 2,754 samples: 5 steps of 512 per epoch.
 STOPS = {"epoch0-mid": 2, "epoch-boundary": 5, "epoch1-mid": 7}
-CASES = [(stop, a, b) for stop in STOPS for a in (1, 2) for b in (1, 2)]
-QUICK = [("epoch1-mid", 2, 1)]
+# (stop, workers before, after, ZeRO stage, steps in all); ZeRO-3 only where it reshards.
+ZERO2 = [(stop, a, b, 2, MAX_STEPS) for stop in STOPS for a in (1, 2) for b in (1, 2)]
+ZERO3 = [(stop, a, b, 3, MAX_STEPS) for stop in STOPS for a, b in ((1, 2), (2, 1))]
+CASES = ZERO2 + ZERO3
+# The quick ZeRO-3 case ends one step after its resume (the suite's time budget).
+QUICK = [("epoch1-mid", 2, 1, 2, MAX_STEPS), ("epoch0-mid", 1, 2, 3, STOPS["epoch0-mid"] + 1)]
 
 
-def matrix_config(storage: Path, workers: int) -> TrainConfig:
+def matrix_config(storage: Path, workers: int, zero_stage: int, max_steps: int) -> TrainConfig:
     return TrainConfig.model_validate(
         {
             "model": {"family": "bert", "size": "tiny"},
-            "max_steps": MAX_STEPS,
+            "max_steps": max_steps,
             "global_batch_size": GLOBAL_BATCH,
             "micro_batch_size": 128,
-            "zero_stage": 2,
+            "zero_stage": zero_stage,
             "checkpoint": {"every_steps": 100, "storage_path": str(storage)},
             "eval": {"every_steps": 100, "max_samples": 16},
             "scale": {"num_workers": workers, "max_failures": 0},
@@ -63,9 +70,9 @@ def committed(run_dir: Path) -> dict[int, list[int]]:
     return steps
 
 
-@pytest.mark.parametrize(("stop", "before", "after"), CASES if FULL else QUICK)
+@pytest.mark.parametrize(("stop", "before", "after", "zero", "steps"), CASES if FULL else QUICK)
 def test_resume_at_any_position_and_worker_count_misses_and_repeats_nothing(
-    stop: str, before: int, after: int, demo_data: Any, tmp_path: Path
+    stop: str, before: int, after: int, zero: int, steps: int, demo_data: Any, tmp_path: Path
 ) -> None:
     data = demo_data.examples("bert")
     size = len(ExampleShards(data["examples"], "train"))
@@ -74,7 +81,7 @@ def test_resume_at_any_position_and_worker_count_misses_and_repeats_nothing(
     args = (0, data["examples"], data["tokenizer"], tmp_path / "ws", ray_cfg)
     storage = tmp_path / "run"
     first = run_training(
-        matrix_config(storage, before),
+        matrix_config(storage, before, zero, steps),
         *args,
         tracking_uri=None,
         mlflow_run_id=None,
@@ -83,16 +90,23 @@ def test_resume_at_any_position_and_worker_count_misses_and_repeats_nothing(
     assert first.meta["step"] == STOPS[stop]
     assert not first.finished
     second = run_training(
-        matrix_config(storage, after), *args, tracking_uri=None, mlflow_run_id=None, resume=True
+        matrix_config(storage, after, zero, steps),
+        *args,
+        tracking_uri=None,
+        mlflow_run_id=None,
+        resume=True,
     )
     assert second.run_dir == first.run_dir, "another worker count must resume the same run"
     assert second.finished
     resumes = [json.loads(x) for x in (second.run_dir / "resumes.jsonl").read_text().splitlines()]
     assert [(r["step"], r["world"]) for r in resumes] == [(STOPS[stop], after)]
+    if before != after:  # the loop checked the resharded weights on the reference batch
+        saved = first.meta["reference"]["loss"]
+        assert resumes[0]["reference_loss"] == pytest.approx(saved, rel=1e-4)
 
     order, cursor = GlobalOrder(size, 0, GLOBAL_BATCH), Cursor()
     expected: dict[int, list[int]] = {}
-    for step in range(1, MAX_STEPS + 1):
+    for step in range(1, steps + 1):
         _, indices, cursor = order.next_batch(cursor)
         expected[step] = sorted(indices.tolist())
     got = {step: sorted(ids) for step, ids in committed(second.run_dir).items()}
@@ -110,6 +124,8 @@ def test_resume_at_any_position_and_worker_count_misses_and_repeats_nothing(
             "missing": missing,
             "duplicated": duplicated,
             "final_epoch": int(second.meta["cursor"]["epoch"]),
+            "zero_stage": zero,
+            "steps": steps,
         },
-        ("stop", "workers_before", "workers_after"),
+        ("stop", "workers_before", "workers_after", "zero_stage"),
     )

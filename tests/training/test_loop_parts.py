@@ -97,6 +97,30 @@ def test_incomplete_checkpoints_are_removed_and_old_ones_pruned(tmp_path: Path) 
     assert [s for s, _ in ckpt.checkpoint_dirs(tmp_path)] == [9, 6]
 
 
+@pytest.mark.parametrize(
+    ("precision", "loss", "ok"),
+    [("fp32", 5.0004, True), ("fp32", 5.01, False), ("bf16", 5.2, True), ("bf16", 5.5, False)],
+)
+def test_a_resharded_load_must_reproduce_the_saved_reference_loss(
+    precision: str, loss: float, ok: bool
+) -> None:
+    meta = {
+        "world_size": 2,
+        "train": {"precision": precision, "zero_stage": 3},
+        "reference": {"indices": [0, 1], "loss": 5.0},
+    }
+    if ok:
+        ckpt.check_resharded(Path("run/checkpoint_step-000000007"), meta, loss, 1)
+        return
+    with pytest.raises(ckpt.CheckpointError, match=r"from 2 to 1 workers.*num_workers=2"):
+        ckpt.check_resharded(Path("run/checkpoint_step-000000007"), meta, loss, 1)
+
+
+def test_a_checkpoint_without_a_reference_loss_is_not_checked() -> None:
+    meta = {"world_size": 2, "train": {"precision": "fp32", "zero_stage": 2}}
+    ckpt.check_resharded(Path("run/checkpoint_step-000000007"), meta, 1.0, 1)
+
+
 def test_global_order_is_a_permutation_per_epoch_that_drops_the_tail() -> None:
     order = GlobalOrder(size=10, seed=7, global_batch=4)
     cursor, seen = Cursor(), []
