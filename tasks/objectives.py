@@ -2,14 +2,15 @@
 
 Randomness is counter-based. A sample's key hashes (run seed, epoch, global sample index), and
 every random number hashes (key, stream, position), so a sample gets the same mask in any
-batch, worker or process and no generator state travels. Each decision (positions, 80/10/10,
-replacement token, word order, span layout) reads its own stream, so changing one never
-shifts another. Nothing here reads files, the clock or the environment; choosing the maskable
+batch, worker or process and no generator state travels. Each decision (positions, 80/10/10
+with its replacement token, word order, span layout) reads its own stream, so changing one
+never shifts another. Nothing here reads files, the clock or the environment; choosing the maskable
 tokens, batching and turning arrays into tensors are the callers' jobs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -19,6 +20,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 U64Array = npt.NDArray[np.uint64]
+U32Array = npt.NDArray[np.uint32]
 IntArray = npt.NDArray[np.integer]
 BoolArray = npt.NDArray[np.bool_]
 FloatArray = npt.NDArray[np.float64]
@@ -34,7 +36,7 @@ _SALT_SEED, _SALT_EPOCH, _SALT_INDEX, _SALT_STREAM = (
     0x082EFA98EC4E6C89,
 )
 _NO_PRIORITY = np.uint64(np.iinfo(np.uint64).max)  # sorts after every real priority
-_STREAM_MLM_POSITIONS, _STREAM_MLM_ACTION, _STREAM_MLM_TOKEN, _STREAM_MLM_WORDS = 1, 2, 3, 4
+_STREAM_MLM_POSITIONS, _STREAM_MLM_ACTION, _STREAM_MLM_WORDS = 1, 2, 4  # 3: retired
 _STREAM_NOISE_CUTS, _STREAM_NONNOISE_CUTS = 5, 6
 _STREAM_MLM_COUNT = 7
 _STREAM_DN_BUDGET, _STREAM_DN_LENGTHS, _STREAM_DN_LAYOUT = 8, 9, 10
@@ -164,14 +166,30 @@ def _check_keys(keys: npt.ArrayLike, rows: int | None = None) -> U64Array:
     return k
 
 
+@functools.cache
+def _stream_salt(stream: int) -> np.uint64:
+    """Return the mixed salt of `stream` (a constant, so computed once per stream)."""
+    salt: np.uint64 = _mix64(_u64(stream, "stream") + np.uint64(_SALT_STREAM))[0]
+    return salt
+
+
+def _row_bases(keys: U64Array, stream: int) -> U64Array:
+    """Return the uint64 that seeds the (key, stream) sequence, per key."""
+    return _mix64(keys ^ _stream_salt(stream))
+
+
 def _bits_at(keys: U64Array, stream: int, cols: npt.NDArray[np.integer]) -> U64Array:
     """Return the random uint64 at (key, stream, col) for broadcast `keys` and `cols`.
 
     The (key, stream) pair seeds a splitmix64 sequence and `col` indexes into it, so any
     single value can be computed without the ones before it.
     """
-    base = _mix64(keys ^ _mix64(_u64(stream, "stream") + np.uint64(_SALT_STREAM)))
-    return _mix64(base + (cols.astype(np.uint64) + np.uint64(1)) * np.uint64(_GAMMA))
+    return _bits_from_bases(_row_bases(keys, stream), cols)
+
+
+def _bits_from_bases(bases: U64Array, cols: npt.NDArray[np.integer]) -> U64Array:
+    """Return `_bits_at` given the keys' `_row_bases` (mixed once per row, then gathered)."""
+    return _mix64(bases + (cols.astype(np.uint64) + np.uint64(1)) * np.uint64(_GAMMA))
 
 
 def counter_bits(keys: npt.ArrayLike, width: int, stream: int) -> U64Array:
@@ -224,6 +242,59 @@ def _first_by_priority(
     head = np.sort(prio, axis=1)[:, :kmax]  # (N, K)
     valid = np.arange(kmax) < count[:, None]  # (N, K)
     return np.where(valid, head & low, 0).astype(np.intp), valid
+
+
+def _hash32(bases: U64Array, cols: npt.NDArray[np.integer]) -> U32Array:
+    """Return the random uint32 at (row, col) for broadcast `_row_bases` and `cols`.
+
+    A cheaper stream than `_bits_at` for the per-position priorities of `mask_tokens`:
+    Wellons' `lowbias32` (a 32-bit xorshift-multiply finaliser, with a lower avalanche bias
+    than MurmurHash3's) over a Weyl sequence, as many passes as splitmix64 but on 32-bit
+    lanes: half the bytes, twice the SIMD lanes. It is a bijection, so a row's values are
+    distinct; both halves of the row's 64-bit base enter every value, so two rows share a
+    sequence only if their bases collide. A priority needs only its top bits to be uniform
+    and independent across positions and rows (sanity-checked by `test_hash32_*`).
+    """
+    weyl = cols.astype(np.uint32) * np.uint32(0x9E3779B9)  # wraps mod 2^32
+    x = (bases >> np.uint64(32)).astype(np.uint32) + weyl
+    x ^= bases.astype(np.uint32)  # the low half
+    # In place: fewer (N, W) temporaries, each of which costs page faults whenever the
+    # allocator has handed freed memory back to the kernel (4x the time of the arithmetic).
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def _choose_by_rank(
+    keys: U64Array, candidates: BoolArray, count: npt.NDArray[np.int64], stream: int
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """Return (rows, cols) of `count[i]` positions per row i, uniform among its `candidates`.
+
+    Each position gets a uint32 priority: 31 - c random bits from `_hash32` above its column
+    (c = bits of the largest column), the top bit set off the candidates. Priorities in a
+    row are distinct, so a sorted row starts with its candidates in random order and reads
+    back their columns; the result is row by row, each row's positions in that order. Ties of
+    the random bits fall to the lower column, which can favour it only when a tie straddles
+    the cut: in about W / 2^(31 - c) of the rows (8e-6 at W = 128, 1e-4 at W = 512), for one
+    position each.
+    """
+    n, width = candidates.shape
+    col_bits = max(1, (width - 1).bit_length())
+    if col_bits > 24:  # fewer than 7 random bits would tie often
+        raise ValueError(f"rows of {width} tokens are too long to mask (at most 2**24)")
+    prio = _hash32(_row_bases(keys, stream)[:, None], np.arange(width)[None, :])  # (N, W)
+    prio &= np.uint32(0x7FFFFFFF & ~((1 << col_bits) - 1))  # the random bits, top bit clear
+    prio |= np.arange(width, dtype=np.uint32)
+    # Set the top bit off the candidates: a shift of 0/1 beats a masked ufunc 3:1.
+    prio |= (~candidates).astype(np.uint32) << np.uint32(31)
+    prio.sort(axis=1)  # NumPy's SIMD sort; on 32-bit lanes twice as fast as on 64
+    kmax = int(count.max(initial=0))
+    head = prio[:, :kmax][np.arange(kmax) < count[:, None]]  # (M,) row by row
+    cols = (head & np.uint32((1 << col_bits) - 1)).astype(np.intp)
+    return np.repeat(np.arange(n), count), cols
 
 
 def num_to_predict(
@@ -328,33 +399,19 @@ def mask_tokens(
         raise ValueError(f"input_ids {ids.shape} and maskable {can.shape} must be (N, L) ints")
     k_rows = _check_keys(keys, ids.shape[0])
     pool = np.asarray(random_ids).reshape(-1)
-    k = num_to_predict(can.sum(axis=1), k_rows, cfg)  # (N,)
+    n_maskable = can.sum(axis=1)  # (N,)
+    k = num_to_predict(n_maskable, k_rows, cfg)  # (N,)
     if cfg.whole_word:
         if word_starts is None:
             raise ValueError("whole-word masking needs word_starts")
         starts = np.asarray(word_starts, dtype=bool)
         if starts.shape != can.shape:
             raise ValueError(f"word_starts {starts.shape} must match input_ids {ids.shape}")
-        rows, cols = np.nonzero(_choose_whole_words(can, starts, k_rows, k))  # (M,) each
+        chosen = _choose_whole_words(can, starts, k_rows, k)
+        rows, cols = np.divmod(np.flatnonzero(chosen), ids.shape[1])  # 2-D nonzero: slower
     else:
-        prio = _priorities(k_rows, ids.shape[1], _STREAM_MLM_POSITIONS, can)  # (N, L)
-        order, valid = _first_by_priority(prio, k)  # (N, K)
-        rows, cols = np.nonzero(valid)[0], order[valid]  # (M,) each
-    u = _to_unit(_bits_at(k_rows[rows], _STREAM_MLM_ACTION, cols))  # (M,) one draw per position
-    to_mask = u < cfg.mask_token_prob
-    to_random = ~to_mask & (u < cfg.mask_token_prob + cfg.random_token_prob)
-    out = ids.copy()
-    out[rows[to_mask], cols[to_mask]] = mask_id
-    r_rows, r_cols = rows[to_random], cols[to_random]
-    if r_rows.size:
-        if pool.size == 0:
-            raise ValueError("random_ids is empty but random replacement is enabled")
-        # Modulo bias is below len(pool) / 2^64: negligible.
-        pick = _bits_at(k_rows[r_rows], _STREAM_MLM_TOKEN, r_cols) % np.uint64(pool.size)
-        out[r_rows, r_cols] = pool[pick.astype(np.intp)]
-    labels = np.full(ids.shape, IGNORE_INDEX, dtype=np.int64)  # (N, L)
-    labels[rows, cols] = ids[rows, cols]
-    n_mask, n_rand = int(to_mask.sum()), int(to_random.sum())
+        rows, cols = _choose_by_rank(k_rows, can, k, _STREAM_MLM_POSITIONS)  # (M,) each
+    out, labels, n_mask, n_rand = _replace_chosen(ids, rows, cols, k_rows, cfg, mask_id, pool)
     return MaskResult(
         input_ids=out,
         labels=labels,
@@ -362,8 +419,45 @@ def mask_tokens(
         masked=n_mask,
         randomized=n_rand,
         kept=int(rows.size) - n_mask - n_rand,
-        maskable=int(can.sum()),
+        maskable=int(n_maskable.sum()),
     )
+
+
+def _replace_chosen(
+    ids: IntArray,
+    rows: npt.NDArray[np.intp],
+    cols: npt.NDArray[np.intp],
+    keys: U64Array,
+    cfg: MaskConfig,
+    mask_id: int,
+    pool: IntArray,
+) -> tuple[IntArray, npt.NDArray[np.int64], int, int]:
+    """Apply 80/10/10 at the chosen (rows, cols) of `ids`.
+
+    Returns the new ids, the labels, and how many positions were masked and randomised.
+    """
+    flat = rows * ids.shape[1] + cols  # (M,) into the row-major flat views
+    # One splitmix64 draw per chosen position: its high half picks mask / random / keep, its
+    # low half the random token; they are independent bits of one output.
+    bits = _bits_from_bases(_row_bases(keys, _STREAM_MLM_ACTION)[rows], cols)  # (M,)
+    action = bits >> np.uint64(32)  # thresholds in 2^-32 steps, up to 2^32 (always)
+    to_mask = action < np.uint64(cfg.mask_token_prob * 2**32)
+    to_random = ~to_mask & (
+        action < np.uint64((cfg.mask_token_prob + cfg.random_token_prob) * 2**32)
+    )
+    original = ids.reshape(-1)[flat]  # (M,)
+    labels = np.full(ids.shape, IGNORE_INDEX, dtype=np.int64)  # (N, L)
+    labels.reshape(-1)[flat] = original
+    new = np.where(to_mask, np.asarray(mask_id, dtype=ids.dtype), original)
+    if to_random.any():
+        if pool.size == 0:
+            raise ValueError("random_ids is empty but random replacement is enabled")
+        # Lemire's multiply-shift maps the low 32 bits onto the pool; bias < len(pool) / 2^32.
+        low = bits[to_random] & np.uint64(0xFFFFFFFF)
+        new[to_random] = pool[((low * np.uint64(pool.size)) >> np.uint64(32)).astype(np.intp)]
+    out = ids.copy()  # C order, so its flat view is the row-major one
+    out.reshape(-1)[flat] = new
+    return out, labels, int(np.count_nonzero(to_mask)), int(np.count_nonzero(to_random))
 
 
 def word_start_table(tokens: list[str], family: WordFamily, special_ids: set[int]) -> BoolArray:

@@ -23,7 +23,10 @@ from tasks.objectives import (
     IGNORE_INDEX,
     MaskConfig,
     SpanConfig,
+    _choose_by_rank,
     _greedy_fill,
+    _hash32,
+    _row_bases,
     counter_uniform,
     drop_noise_tokens,
     drop_nonnoise_tokens,
@@ -137,6 +140,55 @@ def test_counter_streams_and_neighbouring_samples_are_uncorrelated() -> None:
         assert abs(np.corrcoef(x, y)[0, 1]) < 4 / math.sqrt(x.size)
 
 
+def test_hash32_rows_are_distinct_uniform_and_uncorrelated() -> None:
+    keys = sample_keys(0, 0, np.arange(20_001))  # consecutive indices: the hardest case
+    h = _hash32(_row_bases(keys, 1)[:, None], np.arange(64)[None, :])  # (N, 64) uint32
+    assert h.dtype == np.uint32
+    assert all(np.unique(row).size == row.size for row in h[:500])  # a bijection of the column
+    counts = np.bincount((h >> np.uint32(24)).ravel(), minlength=256)  # the top byte
+    expected = h.size / 256
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 255 + 5 * math.sqrt(2 * 255)
+    for bit in (0, 7, 16, 31):  # low bits too, though priorities use only the high ones
+        ones = float(((h >> np.uint32(bit)) & np.uint32(1)).mean())
+        assert_within_4_se(ones, 0.5, math.sqrt(0.25 / h.size))
+    other = _hash32(_row_bases(keys, 2)[:, None], np.arange(64)[None, :])
+    top = h >> np.uint32(28)  # joint law of the top 4 bits of neighbours: 256 equal cells
+    for x, y in ((top[:-1], top[1:]), (top[:, :-1], top[:, 1:]), (top, other >> np.uint32(28))):
+        pairs = np.bincount((x * np.uint32(16) + y).ravel(), minlength=256)
+        expected = x.size / 256
+        chi2 = float(((pairs - expected) ** 2 / expected).sum())
+        assert chi2 < 255 + 5 * math.sqrt(2 * 255)  # rows, columns, streams
+
+
+def test_choose_by_rank_draws_every_subset_uniformly() -> None:
+    n, width, k = 30_000, 10, 3  # all C(10, 3) = 120 subsets equally likely
+    keys = sample_keys(4, 0, np.arange(n))
+    candidates = np.ones((n, width), dtype=bool)
+    rows, cols = _choose_by_rank(keys, candidates, np.full(n, k), stream=1)
+    assert np.array_equal(rows, np.repeat(np.arange(n), k))
+    chosen = np.zeros((n, width), dtype=bool)
+    chosen[rows, cols] = True
+    assert (chosen.sum(axis=1) == k).all()  # distinct positions
+    code = (chosen * (1 << np.arange(width))).sum(axis=1)  # the subset as a bit mask
+    counts = np.unique(code, return_counts=True)[1]
+    assert counts.size == math.comb(width, k)
+    expected = n / counts.size
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 119 + 5 * math.sqrt(2 * 119)
+
+
+def test_choose_by_rank_takes_only_candidates_and_exact_counts() -> None:
+    rng = np.random.default_rng(3)
+    n, width = 2_000, 200  # not a power of two: 8 column bits
+    candidates = rng.random((n, width)) < rng.random((n, 1))
+    count = np.minimum(candidates.sum(axis=1), rng.integers(0, 40, n))
+    rows, cols = _choose_by_rank(sample_keys(1, 2, np.arange(n)), candidates, count, stream=1)
+    assert candidates[rows, cols].all()
+    assert np.bincount(rows, minlength=n).tolist() == count.tolist()
+    assert np.unique(rows * width + cols).size == rows.size
+
+
 # --- BERT masking ---------------------------------------------------------------------
 
 
@@ -227,6 +279,26 @@ def test_mask_tokens_row_results_do_not_depend_on_the_batch() -> None:
     assert np.array_equal(part.labels, whole.labels[pick])
     alone = mask_tokens(ids[7:8], maskable[7:8], None, keys[7:8], cfg, MASK, pool)
     assert np.array_equal(alone.labels[0], whole.labels[7])
+
+
+@pytest.mark.parametrize(
+    ("mask_prob", "random_prob", "expect"),
+    [(1.0, 0.0, "masked"), (0.0, 1.0, "randomized"), (0.0, 0.0, "kept"), (0.2, 0.8, None)],
+)
+def test_mask_tokens_shares_at_the_edges(
+    mask_prob: float, random_prob: float, expect: str | None
+) -> None:
+    ids, maskable = bert_rows(200, 32, seed=8)
+    cfg = MaskConfig(mask_token_prob=mask_prob, random_token_prob=random_prob)
+    pool = np.arange(1_000, 1_100)
+    res = mask_tokens(ids, maskable, None, sample_keys(3, 0, np.arange(200)), cfg, MASK, pool)
+    counts = {"masked": res.masked, "randomized": res.randomized, "kept": res.kept}
+    if expect is not None:
+        assert counts[expect] == res.chosen > 0
+    else:
+        assert res.kept == 0
+        assert res.masked > 0
+    assert (res.input_ids[res.labels != IGNORE_INDEX] >= 1_000).sum() == res.randomized
 
 
 def test_mask_config_rejects_shares_over_one_and_unknown_fields() -> None:
