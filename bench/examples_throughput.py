@@ -12,8 +12,10 @@ WordPiece tokenizer and encodes it once (set-up, not measured), then measures:
   and its core alone in one process (read, pack, write) against `group_texts` run through
   `datasets.map(batched=True, num_proc=<cores>)` as the causal-LM example script does, on the
   same documents (end-of-text after each), with the block counts of both;
-- the `bert` examples stage: examples/s and MB of text/s, at this corpus size and at half of it
-  (peak memory flat when the corpus doubles).
+- every objective's whole examples stage (bert, sop, roberta, causal on the WordPiece
+  encoding; span_corruption on a Unigram encoding with T5's sentinels): examples/s, MB of
+  text/s and peak memory, at this corpus size and at half of it (peak memory flat when the
+  corpus doubles).
 
 Each measurement runs in a fresh subprocess whose process tree's peak RSS is sampled.
 """
@@ -66,8 +68,9 @@ def _stage_setup(args: argparse.Namespace) -> dict[str, Any]:
         ray_cfg,
         ws,
     )
+    family = args.family or "wordpiece"  # unigram: T5's sentinels, for span_corruption
     tok = run_tokenizer(
-        TokenizerConfig(family="wordpiece", vocab_size=30_000, sample_documents=20_000),
+        TokenizerConfig(family=family, vocab_size=30_000, sample_documents=20_000),
         ingest.path,
         ws,
     )
@@ -97,8 +100,10 @@ def _examples_stage(args: argparse.Namespace) -> dict[str, Any]:
     ensure_ray(ray_cfg)
     out = args.work / f"examples-{args.objective}-{Path(args.encode).name}"
     shutil.rmtree(out, ignore_errors=True)
-    masking = "dynamic" if args.objective == "causal" else "static"
-    cfg = ExamplesConfig(objective=args.objective, masking=masking, block_size=LENGTH)
+    masking = "dynamic" if args.objective in ("causal", "span_corruption") else "static"
+    cfg = ExamplesConfig(
+        objective=args.objective, masking=masking, block_size=LENGTH, max_seq_length=LENGTH
+    )
     start = time.perf_counter()
     result = run_examples(cfg, 0, ray_cfg, Path(args.encode), Path(args.tokenizer), out)
     elapsed = time.perf_counter() - start
@@ -271,6 +276,12 @@ def _causal_in_process(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# Each tokenizer family's encoding and the objectives cut from it (T5 spans need sentinels).
+FAMILY_OBJECTIVES = {
+    "wordpiece": ("bert", "sop", "roberta", "causal"),
+    "unigram": ("span_corruption",),
+}
+
 PHASES = {
     "causal-in-process": _causal_in_process,
     "setup": _stage_setup,
@@ -291,26 +302,31 @@ def main() -> None:
     parser.add_argument("--tokenizer")
     parser.add_argument("--objective")
     parser.add_argument("--side")
+    parser.add_argument("--family")
     parser.add_argument("--vocab", type=int, default=30_000)  # run_phase passes it
     args = parser.parse_args()
     args.work = args.work.resolve()
     if args.phase:
         print(json.dumps(PHASES[args.phase](args), default=str), flush=True)
         return
-    results: dict[str, Any] = {"cpus": CORES}
+    results: dict[str, Any] = {"cpus": CORES, "stages": {}}
     for mb in (args.mb // 2, args.mb):
         corpus = write_corpus(args.work / f"corpus-{mb}.jsonl", mb)
-        setup = run_phase("setup", args, __file__, corpus=corpus)
-        where = {"encode": setup["encode"], "tokenizer": setup["tokenizer"]}
-        bert = run_phase("stage", args, __file__, objective="bert", **where)
-        bert["text_mb_per_s"] = setup["text_mb"] / bert["elapsed_s"]
-        results[f"bert_{mb}mb"] = {"setup": setup, "stage": bert}
+        for family, objectives in FAMILY_OBJECTIVES.items():
+            setup = run_phase("setup", args, __file__, corpus=corpus, family=family)
+            where = {"encode": setup["encode"], "tokenizer": setup["tokenizer"]}
+            for objective in objectives:
+                stage = run_phase("stage", args, __file__, objective=objective, **where)
+                stage["text_mb_per_s"] = setup["text_mb"] / stage["elapsed_s"]
+                results["stages"][f"{objective}_{mb}mb"] = {"setup": setup, "stage": stage}
+        where = {"encode": results["stages"][f"bert_{mb}mb"]["setup"]["encode"]}
+        where["tokenizer"] = results["stages"][f"bert_{mb}mb"]["setup"]["tokenizer"]
     results["masking"] = {
         side: run_phase("masking", args, __file__, side=side, **where)
         for side in ("lmpipe", "collator")
     }
     results["causal"] = {
-        "stage": run_phase("stage", args, __file__, objective="causal", **where),
+        "stage": results["stages"][f"causal_{args.mb}mb"]["stage"],
         "in_process": run_phase("causal-in-process", args, __file__, **where),
         "group_texts": run_phase("group-texts", args, __file__, **where),
     }
@@ -322,10 +338,15 @@ def main() -> None:
         "masking lmpipe/collator:",
         round(masking["lmpipe"]["rows_per_s"] / masking["collator"]["rows_per_s"], 1),
     )
-    print(
-        "causal stage/group_texts:",
-        round(causal["stage"]["examples_per_s"] / causal["group_texts"]["examples_per_s"], 1),
-    )
+    for ratio in ("stage", "in_process"):
+        speed = causal[ratio]["examples_per_s"] / causal["group_texts"]["examples_per_s"]
+        print(f"causal {ratio}/group_texts:", round(speed, 1))
+    for name, row in results["stages"].items():
+        stage = row["stage"]
+        print(
+            f"{name}: {stage['examples_per_s']:,.0f} examples/s, "
+            f"{stage['text_mb_per_s']:.2f} MB/s, peak {stage['peak_rss_mib']} MiB"
+        )
 
 
 if __name__ == "__main__":
