@@ -309,7 +309,9 @@ def test_examples_feed_their_model_class_which_memorises_a_batch(
     batch = _batch(rows, objective, manifest, vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     losses = []
-    for _ in range(80):
+    # 150 steps: the WordPiece trainer is not reproducible (docs/tokenizers.md), so the batch
+    # differs between runs; sop plateaued near 0.3x its first loss at 80 steps in one of them.
+    for _ in range(150):
         loss = model(**batch).loss
         optimizer.zero_grad()
         loss.backward()

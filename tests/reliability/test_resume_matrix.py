@@ -36,8 +36,10 @@ STOPS = {"epoch0-mid": 2, "epoch-boundary": 5, "epoch1-mid": 7}
 ZERO2 = [(stop, a, b, 2, MAX_STEPS) for stop in STOPS for a in (1, 2) for b in (1, 2)]
 ZERO3 = [(stop, a, b, 3, MAX_STEPS) for stop in STOPS for a, b in ((1, 2), (2, 1))]
 CASES = ZERO2 + ZERO3
-# The quick ZeRO-3 case ends one step after its resume (the suite's time budget).
-QUICK = [("epoch1-mid", 2, 1, 2, MAX_STEPS), ("epoch0-mid", 1, 2, 3, STOPS["epoch0-mid"] + 1)]
+# `make test` runs one case (the suite's time budget): resharded 1 -> 2 workers under the
+# ZeRO stage that shards the weights too, ending one step after the resume (a ZeRO-3 run to
+# step 8 on 2 workers takes 90 s here). The full matrix covers the rest.
+QUICK = [("epoch0-mid", 1, 2, 3, STOPS["epoch0-mid"] + 1)]
 
 
 def matrix_config(storage: Path, workers: int, zero_stage: int, max_steps: int) -> TrainConfig:

@@ -387,17 +387,32 @@ def test_static_no_unsafe_loading_in_the_source_tree() -> None:
 
 def test_deepspeed_loads_its_pickles_only_behind_validation() -> None:
     # DeepSpeed's load_checkpoint unpickles; it reads a checkpoint that rank 0 chose with
-    # find_resumable (every file hashed against meta.json) earlier in the same method.
+    # find_resumable (every file hashed against meta.json) earlier in `restore`, the one
+    # method from which every loading method of the worker is reached.
     tree = ast.parse((REPO / "training/loop.py").read_text())
-    restore = next(
-        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "restore"
-    )
-    calls = [_dotted(n.func) for n in ast.walk(restore) if isinstance(n, ast.Call)]
-    assert "ckpt.find_resumable" in calls
-    assert calls.index("ckpt.find_resumable") < max(
-        (i for i, c in enumerate(calls) if c in ("torch.load", "self.engine.load_checkpoint")),
-        default=-1,
-    )
+    methods = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    calls = {name: _calls_in_source_order(fn) for name, fn in methods.items()}
+    primitives = {"torch.load", "self.engine.load_checkpoint"}
+    # The private helpers that load, directly or through another such helper.
+    helpers = {m for m, found in calls.items() if primitives & set(found)}
+    assert all(m.startswith("_") for m in helpers), helpers
+    while more := {
+        m
+        for m, found in calls.items()
+        if m.startswith("_") and m not in helpers and {f"self.{h}" for h in helpers} & set(found)
+    }:
+        helpers |= more
+    loading = primitives | {f"self.{h}" for h in helpers}
+    callers = {m for m, found in calls.items() if m not in helpers and loading & set(found)}
+    assert callers == {"restore"}, callers
+    order = calls["restore"]
+    first_load = min(i for i, c in enumerate(order) if c in loading)
+    assert "ckpt.find_resumable" in order[:first_load], order
+
+
+def _calls_in_source_order(fn: ast.FunctionDef) -> list[str]:
+    found = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
+    return [_dotted(n.func) for n in sorted(found, key=lambda n: (n.lineno, n.col_offset))]
 
 
 @pytest.mark.parametrize(
