@@ -32,9 +32,11 @@ Each row also gives the cores that processes outside the benchmark kept busy whi
 `--only` runs the named settings, including candidate fixes that are not run by default
 (`lmpipe-local-bf16[-compile]-{fused,zero1-fused,zero0-fused}`: fused AdamW and the ZeRO stage,
 set through `train.deepspeed_extra` / `train.zero_stage`; `lmpipe-ray-{bf16,fp32}-nice0`: Ray
-workers at nice 0). Separate subprocesses see the machine's speed drift (±15% between runs
-here), so `--ab NAME` compares one lmpipe-local setting with the plain loop in one subprocess,
-alternating their steps, and prints forward, backward and optimizer-step ms per step of each.
+workers at nice 0; `lmpipe-ray-{bf16,fp32}-poll2`: Ray Train's own 2 s controller poll
+instead of `train.scale.report_poll_s`). Separate subprocesses see the machine's speed drift
+(±15% between runs here), so `--ab NAME` compares one lmpipe-local setting with the plain
+loop in one subprocess, alternating their steps, and prints forward, backward and
+optimizer-step ms per step of each.
 
 The Trainer needs `accelerate`, which is not a project dependency. Without it in the venv the
 `hf-*` settings fail, unless it is installed apart, for those subprocesses only:
@@ -121,6 +123,17 @@ EXTRA_VARIANTS |= {
         "precision": precision,
         "compile": False,
         "ray_env": {"RAY_worker_niceness": "0"},
+    }
+    for precision in ("bf16", "fp32")
+}
+# Ray Train's own poll interval (2 s) against lmpipe's default `train.scale.report_poll_s`:
+# does polling the worker 10x as often cost training throughput?
+EXTRA_VARIANTS |= {
+    f"lmpipe-ray-{precision}-poll2": {
+        "kind": "lmpipe-ray",
+        "precision": precision,
+        "compile": False,
+        "report_poll_s": 2.0,
     }
     for precision in ("bf16", "fp32")
 }
@@ -408,7 +421,11 @@ def train_config(spec: dict[str, Any], storage: Path) -> Any:
         compile=spec["compile"],
         deepspeed_extra=spec.get("deepspeed_extra", {}),
         scale=ScaleConfig(
-            num_workers=1, cpus_per_worker=THREADS, threads_per_worker=THREADS, max_failures=0
+            num_workers=1,
+            cpus_per_worker=THREADS,
+            threads_per_worker=THREADS,
+            max_failures=0,
+            report_poll_s=spec.get("report_poll_s", ScaleConfig().report_poll_s),
         ),
         checkpoint=CheckpointConfig(every_steps=1 << 20, keep_last=1, storage_path=storage),
         eval=EvalConfig(every_steps=1 << 20, max_samples=BATCH),

@@ -71,6 +71,15 @@ class ScaleConfig(BaseModel):
     backend: Literal["gloo", "nccl"] | None = Field(
         None, description="torch.distributed backend; default nccl on GPU, gloo on CPU."
     )
+    report_poll_s: float = Field(
+        0.2,
+        gt=0,
+        le=60,
+        description="How often Ray Train's controller polls the workers "
+        "(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S). It takes one report per poll and a worker's next "
+        "report waits for it, so every checkpoint or epoch report can wait this long; Ray's "
+        "own default of 2 s dominated short runs.",
+    )
 
 
 class CheckpointConfig(BaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,6 +137,20 @@ def _fit(job: WorkerJob, root: Path, run_id: str, ray_cfg: RayConfig) -> None:
     )
 
 
+POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
+
+def set_report_poll(scale: ScaleConfig) -> None:
+    """Make the next Ray Train run's controller poll its workers every `scale.report_poll_s`.
+
+    The driver reads the variable at `fit` and passes it to the controller it starts (Ray
+    Train's `get_env_vars_to_propagate`). The controller takes one `ray.train.report` per poll
+    and a worker's next report blocks until then, so at Ray's default of 2 s a short
+    fine-tuning epoch or a frequent checkpoint waits longer than it computes.
+    """
+    os.environ[POLL_ENV] = f"{scale.report_poll_s:g}"
+
+
 def fit_on_ray(
     loop: Callable[[dict[str, Any]], None],
     loop_config: dict[str, Any],
@@ -154,6 +169,7 @@ def fit_on_ray(
     from ray.train.torch import TorchConfig, TorchTrainer
 
     ensure_ray(ray_cfg)
+    set_report_poll(scale)
     trainer = TorchTrainer(
         loop,
         train_loop_config=loop_config,

@@ -447,6 +447,17 @@ def test_submit_tiny_pipeline_to_two_node_cluster_registers_model(
     assert "SUCCEEDED" in result.stdout
     versions = MlflowClient(tracking_uri).search_model_versions("name='cluster-demo-bert'")
     assert [int(v.version) for v in versions] == [1]
+    # The printed job id is a real Ray job: Ray's own CLI finds it, its status and its logs.
+    found = re.search(r"submitted Ray job (raysubmit_\w+)", result.stdout)
+    assert found, result.stdout[-3000:]
+    ray_cli = [str(VENV_BIN / "ray"), "job"]
+    where = ["--address", ray_cluster.dashboard_url, found.group(1)]
+    status = ray_cluster.run([*ray_cli, "status", *where])
+    assert status.returncode == 0, status.stderr[-3000:]
+    assert "SUCCEEDED" in status.stdout, status.stdout
+    logs = ray_cluster.run([*ray_cli, "logs", *where])
+    assert logs.returncode == 0, logs.stderr[-3000:]
+    assert "registered model (pretrain): cluster-demo-bert version 1" in logs.stdout
 
 
 # --- pure helpers (no cluster) ----------------------------------------------------------------

@@ -200,6 +200,25 @@ def test_deepspeed_config_follows_the_typed_config() -> None:
         deepspeed_config(cfg, world_size=3)
 
 
+def test_report_poll_is_what_ray_train_passes_to_its_controller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ray.train.v2._internal.constants import get_env_vars_to_propagate
+
+    from training.config import ScaleConfig
+    from training.trainer import POLL_ENV, set_report_poll
+
+    monkeypatch.setenv(POLL_ENV, "2")  # records the variable's state, restored after the test
+    monkeypatch.delenv(POLL_ENV)
+    assert POLL_ENV not in get_env_vars_to_propagate()  # Ray's own 2 s default
+    set_report_poll(ScaleConfig(report_poll_s=0.25))
+    assert get_env_vars_to_propagate()[POLL_ENV] == "0.25"
+    set_report_poll(ScaleConfig())  # the default; each run sets its own
+    assert float(get_env_vars_to_propagate()[POLL_ENV]) == ScaleConfig().report_poll_s
+    with pytest.raises(ValueError, match="report_poll_s"):
+        ScaleConfig(report_poll_s=0)
+
+
 def test_fp16_without_a_gpu_is_refused() -> None:
     with pytest.raises(ValueError, match="fp16 needs a GPU"):
         TrainConfig(precision="fp16")
