@@ -450,11 +450,12 @@ def test_submit_tiny_pipeline_to_two_node_cluster_registers_model(
     # The printed job id is a real Ray job: Ray's own CLI finds it, its status and its logs.
     found = re.search(r"submitted Ray job (raysubmit_\w+)", result.stdout)
     assert found, result.stdout[-3000:]
+    job_id = found.group(1)
     ray_cli = [str(VENV_BIN / "ray"), "job"]
-    where = ["--address", ray_cluster.dashboard_url, found.group(1)]
+    where = ["--address", ray_cluster.dashboard_url, job_id]
     status = ray_cluster.run([*ray_cli, "status", *where])
     assert status.returncode == 0, status.stderr[-3000:]
-    assert "SUCCEEDED" in status.stdout, status.stdout
+    assert f"Job '{job_id}' succeeded" in status.stdout, status.stdout  # Ray's CLI wording
     logs = ray_cluster.run([*ray_cli, "logs", *where])
     assert logs.returncode == 0, logs.stderr[-3000:]
     assert "registered model (pretrain): cluster-demo-bert version 1" in logs.stdout
