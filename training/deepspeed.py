@@ -33,7 +33,7 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         zero["stage3_gather_16bit_weights_on_model_save"] = False
     ds: dict[str, Any] = {
         "train_batch_size": cfg.global_batch_size,
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch(world_size),
         "gradient_accumulation_steps": accum,
         "gradient_clipping": opt.grad_clip,
         "zero_optimization": zero,

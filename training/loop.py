@@ -144,6 +144,14 @@ class Worker:
             min_lr_ratio=opt.min_lr_ratio,
         )
         self.accum = self.cfg.accumulation_steps(ctx.world_size)
+        self.micro = self.cfg.micro_batch(ctx.world_size)
+        if self.cfg.zero_stage > 0 and ctx.world_size == 1 and ctx.rank == 0:
+            log.warning(
+                "train.zero_stage=%d on one worker shards nothing but still pays ZeRO's "
+                "gradient bookkeeping (about 10%% of a CPU step, docs/pretraining.md); "
+                "zero_stage 0 is the single-worker setting",
+                self.cfg.zero_stage,
+            )
         self.guard = LossGuard(self.cfg.guard)
         flops_at = functools.lru_cache(maxsize=8)(lambda seq: self._flops(manifest, seq))
         self.telemetry = Telemetry(job, ctx, flops_at(length), flops_at)
@@ -221,7 +229,8 @@ class Worker:
         else:  # ZeRO-0: one file holds the whole model and optimizer, at any worker count
             self.engine.load_checkpoint(str(path), tag=ckpt.TAG)
         # One forward on every rank (ZeRO-3 gathers): the weights must give the saved loss.
-        loss = self.reference_loss()["loss"]
+        saved = meta.get("reference", {}).get("indices")  # the batch the saved loss is of
+        loss = self.reference_loss(None if saved is None else np.asarray(saved))["loss"]
         ckpt.check_resharded(path, meta, loss, self.ctx.world_size)
         return {"reference_loss": loss}
 
@@ -272,9 +281,7 @@ class Worker:
         """One optimizer step over this rank's share of the next global batch."""
         epoch, indices, after = self.order.next_batch(self.cursor)
         length = self._seq_len()
-        micro = rank_micro_batches(
-            indices, self.ctx.rank, self.ctx.world_size, self.cfg.micro_batch_size
-        )
+        micro = rank_micro_batches(indices, self.ctx.rank, self.ctx.world_size, self.micro)
         meter = StepMeter()
         lr = self.schedule.get_last_lr()[0]
         skip = False
@@ -316,9 +323,7 @@ class Worker:
         indices = np.arange(n - n % self.ctx.world_size)
         meter = StepMeter()
         with torch.no_grad():
-            for ids in rank_micro_batches(
-                indices, self.ctx.rank, self.ctx.world_size, self.cfg.micro_batch_size
-            ):
+            for ids in rank_micro_batches(indices, self.ctx.rank, self.ctx.world_size, self.micro):
                 batch = self._device(self.build(self.eval_data.take(ids), ids, EVAL_EPOCH))
                 out = pretraining_loss(
                     self.engine.module, self.objective, batch, self.cfg.sparse_mlm
@@ -355,9 +360,13 @@ class Worker:
     def _fault(self, point: faults.FaultPoint) -> None:
         faults.hit(self.job.fault, point, self.step, self.ctx.rank)
 
-    def reference_loss(self) -> dict[str, Any]:
-        """The eval-mode loss of the fixed batch an export must reproduce (every rank runs it)."""
-        indices = reference_indices(len(self.eval_data), self.cfg.micro_batch_size)
+    def reference_loss(self, indices: np.ndarray | None = None) -> dict[str, Any]:
+        """The eval-mode loss of the fixed batch an export must reproduce (every rank runs it).
+
+        `indices`: the validation samples of the batch; default the first micro-batch's worth.
+        """
+        if indices is None:
+            indices = reference_indices(len(self.eval_data), self.micro)
         batch = self._device(self.build(self.eval_data.take(indices), indices, EVAL_EPOCH))
         self.engine.module.eval()
         with torch.no_grad():

@@ -50,6 +50,7 @@ def matrix_config(storage: Path, workers: int, zero_stage: int, max_steps: int) 
             "global_batch_size": GLOBAL_BATCH,
             "micro_batch_size": 128,
             "zero_stage": zero_stage,
+            "precision": "fp32",  # exact resume is checked in fp32
             "checkpoint": {"every_steps": 100, "storage_path": str(storage)},
             "eval": {"every_steps": 100, "max_samples": 16},
             "scale": {"num_workers": workers, "max_failures": 0},

@@ -25,6 +25,7 @@ def tiny_bert_config(
             "global_batch_size": 32,
             "micro_batch_size": 16,
             "zero_stage": 2,
+            "precision": "fp32",  # the bit-identical checks (the default is bf16 here)
             "checkpoint": {
                 "every_steps": every,
                 "keep_last": keep_last,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from training import checkpoint as ckpt
-from training.config import GuardConfig, TrainConfig
+from training.config import GuardConfig, TrainConfig, cpu_has_native_bf16
 from training.data import Cursor, DataError, GlobalOrder, rank_micro_batches
 from training.deepspeed import deepspeed_config, param_groups
 from training.guard import LossGuard, TrainingDivergedError
@@ -222,6 +222,41 @@ def test_report_poll_is_what_ray_train_passes_to_its_controller(
 def test_fp16_without_a_gpu_is_refused() -> None:
     with pytest.raises(ValueError, match="fp16 needs a GPU"):
         TrainConfig(precision="fp16")
+
+
+def test_auto_precision_is_bf16_where_the_hardware_multiplies_bf16() -> None:
+    native = cpu_has_native_bf16()
+    # The CPU's own flags, read apart from torch: the two must agree.
+    flags = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags |= set(line.split(":", 1)[1].split())
+        assert native == bool(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
+    assert TrainConfig().precision == ("bf16" if native else "fp32")
+    assert TrainConfig.model_validate({"precision": "auto"}).precision == TrainConfig().precision
+    gpu = TrainConfig.model_validate({"scale": {"use_gpu": True}})
+    assert gpu.precision == "bf16"
+    assert TrainConfig(precision="fp32").precision == "fp32"  # an explicit choice is kept
+    assert TrainConfig().model_dump()["precision"] != "auto"  # the record is concrete
+
+
+def test_default_micro_batch_is_the_ranks_whole_share() -> None:
+    cfg = TrainConfig(global_batch_size=32)
+    assert cfg.micro_batch_size is None
+    for world, micro in ((1, 32), (2, 16), (4, 8)):
+        assert cfg.micro_batch(world) == micro
+        assert cfg.accumulation_steps(world) == 1
+        ds = deepspeed_config(cfg, world)
+        assert ds["train_micro_batch_size_per_gpu"] == micro
+        assert ds["gradient_accumulation_steps"] == 1
+    with pytest.raises(ValueError, match="multiple of the workers \\(3\\)"):
+        cfg.micro_batch(3)
+    explicit = TrainConfig(global_batch_size=32, micro_batch_size=4)
+    assert (explicit.micro_batch(2), explicit.accumulation_steps(2)) == (4, 4)
+    with pytest.raises(ValueError, match="micro_batch_size \\(4\\) x workers \\(3\\)"):
+        explicit.accumulation_steps(3)
 
 
 def test_no_weight_decay_on_biases_and_norms() -> None:
