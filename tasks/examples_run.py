@@ -199,11 +199,19 @@ def run_examples(
     used = [s for split in SPLITS for _, s in shards_of(encode, split)]
     verify_shards(encode_dir, used, "encode")
     staging = open_staging(out)
-    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    vocab = [tok.id_to_token(i) or "" for i in range(tok.get_vocab_size(with_added_tokens=True))]
-    words = word_start_table(vocab, tok_cfg.family, set(specials.special_ids))
     ids_type = pa.uint16() if encode["dtype"] == "uint16" else pa.uint32()
-    random_ids = np.setdiff1d(np.arange(len(vocab)), np.fromiter(specials.special_ids, np.int64))
+    # Only static masking and BART's infilling draw random tokens or need word starts; the
+    # other objectives skip the vocabulary scan and ship no lookups with their jobs.
+    words: np.ndarray | None = None
+    random_ids = np.empty(0, np.int64)
+    static_mlm = cfg.masking == "static" and cfg.objective in ("bert", "sop", "roberta")
+    if static_mlm or cfg.objective == "denoising":
+        tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        size = tok.get_vocab_size(with_added_tokens=True)
+        vocab = [tok.id_to_token(i) or "" for i in range(size)]
+        if cfg.mask.whole_word:
+            words = word_start_table(vocab, tok_cfg.family, set(specials.special_ids))
+        random_ids = np.setdiff1d(np.arange(size), np.fromiter(specials.special_ids, np.int64))
     jobs, where, sizes = [], [], []
     for split in SPLITS:
         entries = encode["splits"][split]["shards"]
@@ -241,7 +249,6 @@ def run_examples(
     first = jobs[0].ctx if jobs else None
     length = cfg.block_size if cfg.objective == "causal" else cfg.max_seq_length
     targets = t5_raw_length(cfg)[1] if cfg.objective == "span_corruption" else 0
-    static_mlm = cfg.masking == "static" and cfg.objective in ("bert", "sop", "roberta")
     out_schema = schema.examples_schema(
         cfg.objective,
         length,
