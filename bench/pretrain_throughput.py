@@ -22,9 +22,9 @@ each setting in its own subprocess:
 
 Counted: real input tokens, i.e. the sum of the attention mask (padding excluded) of the
 batches of the timed steps; every setting sees the same batches, so the same tokens. Timed:
-from the end of the last warm-up step to the end of the last step (the end of a step is taken
-when the loop appends its line to `steps.jsonl` for lmpipe, after `optimizer.step` for the
-plain loop, at `on_step_end` for the Trainer), so compilation and start-up are left out.
+from the end of the last warm-up step to the end of the last step (for lmpipe the sum of the
+`step_time_s` its loop logs in `steps.jsonl`, read after the run; after `optimizer.step` for
+the plain loop, at `on_step_end` for the Trainer), so compilation and start-up are left out.
 MFU = `flops_per_token` x tokens/s / the matmul peak measured on 2 threads in the same dtype.
 Each row also gives the cores that processes outside the benchmark kept busy while it was timed
 (the load average cannot tell: it counts the benchmark's own two threads).
@@ -33,10 +33,12 @@ Each row also gives the cores that processes outside the benchmark kept busy whi
 (`lmpipe-local-bf16[-compile]-{fused,zero1-fused,zero0-fused}`: fused AdamW and the ZeRO stage,
 set through `train.deepspeed_extra` / `train.zero_stage`; `lmpipe-ray-{bf16,fp32}-nice0`: Ray
 workers at nice 0; `lmpipe-ray-{bf16,fp32}-poll2`: Ray Train's own 2 s controller poll
-instead of `train.scale.report_poll_s`). Separate subprocesses see the machine's speed drift
-(±15% between runs here), so `--ab NAME` compares one lmpipe-local setting with the plain
-loop in one subprocess, alternating their steps, and prints forward, backward and
-optimizer-step ms per step of each.
+instead of `train.scale.report_poll_s`; `lmpipe-{local,ray}-defaults[-zero0]`: `TrainConfig`'s
+own defaults, and with ZeRO 0; `plain-bf16-raytrain`: the plain loop inside a Ray Train
+worker; `*-dense`: the MLM head at every position, against sparse MLM). Separate subprocesses
+see the machine's speed drift (±15% between runs here), so `--ab NAME` compares one
+lmpipe-local setting with the plain loop in one subprocess, alternating their steps, and prints
+forward, backward and optimizer-step ms per step of each.
 
 The Trainer needs `accelerate`, which is not a project dependency. Without it in the venv the
 `hf-*` settings fail, unless it is installed apart, for those subprocesses only:
@@ -91,7 +93,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lmpipe-local-fp32-compile": {"kind": "lmpipe-local", "precision": "fp32", "compile": True},
     "lmpipe-local-bf16": {"kind": "lmpipe-local", "precision": "bf16", "compile": False},
     "lmpipe-local-bf16-compile": {"kind": "lmpipe-local", "precision": "bf16", "compile": True},
-    "lmpipe-local-defaults": {
+    "lmpipe-local-fp32-micro8": {  # lmpipe's defaults until 2026-11-25
         "kind": "lmpipe-local",
         "precision": "fp32",
         "compile": False,
@@ -137,7 +139,49 @@ EXTRA_VARIANTS |= {
     }
     for precision in ("bf16", "fp32")
 }
+# lmpipe's own defaults (`TrainConfig()`: precision auto, i.e. bf16 on this CPU, the whole
+# global batch per micro-batch at 1 worker, ZeRO 2), and with ZeRO 0, the single-worker
+# setting (ZeRO shards nothing on one rank). `-dense`: the vocabulary projection at every
+# position (`train.sparse_mlm=false`) against sparse MLM, the same loss.
+EXTRA_VARIANTS |= {
+    "lmpipe-ray-defaults": {"kind": "lmpipe-ray", "precision": "auto", "compile": False},
+    "lmpipe-ray-defaults-zero0": {
+        "kind": "lmpipe-ray",
+        "precision": "auto",
+        "compile": False,
+        "zero_stage": 0,
+    },
+    "lmpipe-ray-defaults-zero0-dense": {
+        "kind": "lmpipe-ray",
+        "precision": "auto",
+        "compile": False,
+        "zero_stage": 0,
+        "sparse_mlm": False,
+    },
+    "plain-bf16-raytrain": {"kind": "plain-ray", "precision": "bf16", "compile": False},
+    "lmpipe-local-defaults-zero0": {
+        "kind": "lmpipe-local",
+        "precision": "auto",
+        "compile": False,
+        "zero_stage": 0,
+    },
+    "plain-bf16-dense": {
+        "kind": "plain",
+        "precision": "bf16",
+        "compile": False,
+        "sparse_mlm": False,
+    },
+}
 VARIANTS |= EXTRA_VARIANTS
+
+
+def resolved_precision(spec: dict[str, Any]) -> str:
+    """A setting's precision, with lmpipe's `auto` resolved as `TrainConfig` resolves it."""
+    if spec["precision"] != "auto":
+        return str(spec["precision"])
+    from training.config import TrainConfig
+
+    return TrainConfig().precision
 
 
 # -- set-up (not measured) ------------------------------------------------------------------
@@ -252,49 +296,22 @@ def lr_factor(step: int, total: int) -> float:
     return max(0.0, (total - step) / max(1, total - WARMUP_STEPS))
 
 
-class LineClock(threading.Thread):
-    """Timestamps every line appended to a file (the loop's `steps.jsonl`), polling every 10 ms.
+def step_ends(path: Path) -> dict[str, list[float]]:
+    """Step-end times and losses of a finished lmpipe run, from its `steps.jsonl`.
 
-    The loop writes a step's line at the end of that step (rank 0), so the timestamps are the
-    step ends, taken without touching the loop. A poll costs one `stat`.
+    The loop logs each step's `step_time_s`, the time from the end of the step before (or of
+    the last evaluation) to the end of this one, measured in the loop itself; their running sum
+    gives the step ends. Reading the file afterwards keeps the measurement out of the timed
+    process: an earlier version polled the file from a thread every 10 ms, and on 2 cores that
+    thread's wake-ups took time from the 2 training threads of the lmpipe settings only.
     """
-
-    def __init__(self, path: Path) -> None:
-        """Watch `path` (it may not exist yet)."""
-        super().__init__(daemon=True)
-        self.path = path
-        self.times: list[float] = []
-        self.lines: list[dict[str, Any]] = []
-        self._stop_flag = threading.Event()
-        self._pos = 0
-
-    def run(self) -> None:
-        """Poll until stopped."""
-        while not self._stop_flag.wait(0.01):
-            self._poll()
-
-    def _poll(self) -> None:
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return
-        if size <= self._pos:
-            return
-        now = time.perf_counter()
-        with open(self.path, "rb") as handle:
-            handle.seek(self._pos)
-            data = handle.read(size - self._pos)
-        complete = data[: data.rfind(b"\n") + 1]
-        self._pos += len(complete)
-        for line in complete.splitlines():
-            self.lines.append(json.loads(line))
-            self.times.append(now)
-
-    def finish(self) -> None:
-        """Stop polling (after one last look)."""
-        self._stop_flag.set()
-        self.join()
-        self._poll()
+    rows: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = row  # a replayed step's later line wins
+    ordered = [rows[step] for step in sorted(rows)]
+    ends = list(itertools.accumulate(row["step_time_s"] for row in ordered))
+    return {"ends": ends, "losses": [row["loss"] for row in ordered]}
 
 
 # -- the settings, each run in its own subprocess -------------------------------------------
@@ -318,6 +335,7 @@ class PlainLoop:
             for name in ("bert", "cls.predictions", "cls.seq_relationship"):
                 self.model.get_submodule(name).compile()
         self.bf16 = spec["precision"] == "bf16"
+        self.sparse_mlm = spec.get("sparse_mlm", True)
 
     def step(self, batch: dict[str, Any], phases: dict[str, float] | None = None) -> float:
         """One optimizer step; add forward/backward/step seconds to `phases`; return the loss."""
@@ -327,7 +345,7 @@ class PlainLoop:
 
         marks = [time.perf_counter()]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
-            out = pretraining_loss(self.model, "bert", batch, True)
+            out = pretraining_loss(self.model, "bert", batch, self.sparse_mlm)
         marks.append(time.perf_counter())
         out.loss.backward()  # type: ignore[no-untyped-call]
         marks.append(time.perf_counter())
@@ -415,10 +433,11 @@ def train_config(spec: dict[str, Any], storage: Path) -> Any:
         model=model_section(),
         max_steps=spec["warmup"] + spec["steps"],
         global_batch_size=BATCH,
-        micro_batch_size=spec.get("micro_batch", BATCH),
+        micro_batch_size=spec.get("micro_batch"),  # None: the whole batch at 1 worker
         precision=spec["precision"],
         zero_stage=spec.get("zero_stage", 2),
         compile=spec["compile"],
+        sparse_mlm=spec.get("sparse_mlm", True),
         deepspeed_extra=spec.get("deepspeed_extra", {}),
         scale=ScaleConfig(
             num_workers=1,
@@ -447,11 +466,8 @@ def child_lmpipe_local(spec: dict[str, Any]) -> dict[str, Any]:
         config_hash="bench",
     )
     init_single_process()
-    clock = LineClock(run_dir / "steps.jsonl")
-    clock.start()
     run_worker(job, LocalContext(run_dir))
-    clock.finish()
-    return {"ends": clock.times, "losses": [line["loss"] for line in clock.lines]}
+    return step_ends(run_dir / "steps.jsonl")
 
 
 def child_lmpipe_ray(spec: dict[str, Any]) -> dict[str, Any]:
@@ -464,8 +480,6 @@ def child_lmpipe_ray(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = train_config(spec, workspace / "pretrain")
     os.environ.update(spec.get("ray_env", {}))  # read by the local Ray that run_training starts
     run_dir = storage_root(cfg, workspace) / run_id_for(cfg, SEED, examples, tokenizer)
-    clock = LineClock(run_dir / "steps.jsonl")
-    clock.start()
     run_training(
         cfg,
         SEED,
@@ -476,11 +490,10 @@ def child_lmpipe_ray(spec: dict[str, Any]) -> dict[str, Any]:
         tracking_uri=None,
         mlflow_run_id=None,
     )
-    clock.finish()
     import ray
 
     ray.shutdown()
-    return {"ends": clock.times, "losses": [line["loss"] for line in clock.lines]}
+    return step_ends(run_dir / "steps.jsonl")
 
 
 def child_peak(spec: dict[str, Any]) -> dict[str, Any]:
@@ -551,8 +564,39 @@ def child_ab(spec: dict[str, Any]) -> dict[str, Any]:
     return {k: {p: v / spec["steps"] for p, v in d.items()} for k, d in phases.items()}
 
 
+def child_plain_ray(spec: dict[str, Any]) -> dict[str, Any]:
+    """The plain loop inside a Ray Train worker (1 worker, 2 CPUs, lmpipe's local Ray).
+
+    A diagnostic: what Ray Train's processes cost a loop that is not lmpipe's, on this machine.
+    """
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from tasks.ray_runtime import RayConfig, ensure_ray
+
+    ensure_ray(RayConfig(num_workers=1, num_cpus=THREADS))
+    out = Path(spec["run_dir"]) / "plain_ray.json"
+
+    def train_fn() -> None:
+        import torch
+
+        torch.set_num_threads(THREADS)
+        out.write_text(json.dumps(child_plain(spec)))
+
+    TorchTrainer(
+        train_fn,
+        scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": THREADS}),
+        run_config=RunConfig(storage_path=str(Path(spec["run_dir"]) / "ray"), name="plain"),
+    ).fit()
+    ray.shutdown()
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
 CHILDREN = {
     "plain": child_plain,
+    "plain-ray": child_plain_ray,
     "hf": child_hf,
     "lmpipe-local": child_lmpipe_local,
     "lmpipe-ray": child_lmpipe_ray,
@@ -730,7 +774,7 @@ def run_order(only: list[str] | None) -> list[str]:
 
     def key(name: str) -> tuple[str, bool, int]:
         spec = VARIANTS[name]
-        kinds = ["plain", "lmpipe-local", "lmpipe-ray", "hf"]
+        kinds = ["plain", "plain-ray", "lmpipe-local", "lmpipe-ray", "hf"]
         return spec["precision"], spec["compile"], kinds.index(spec["kind"])
 
     return sorted(names, key=key)
@@ -745,11 +789,13 @@ def add_ratios(
     best = max(baselines, key=lambda n: baselines[n]["tokens_per_s"]) if baselines else ""
     for name, row in ok.items():
         spec = VARIANTS[name]
-        per_token = fpt["dense" if spec["kind"] == "hf" else "sparse"]
-        row["mfu"] = per_token * row["tokens_per_s"] / peak[spec["precision"]]
+        dense = spec["kind"] == "hf" or not spec.get("sparse_mlm", True)
+        per_token = fpt["dense" if dense else "sparse"]
+        row["mfu"] = per_token * row["tokens_per_s"] / peak[resolved_precision(spec)]
         if best:
             row["vs_best_baseline"] = row["tokens_per_s"] / rows[best]["tokens_per_s"]
-        plain = f"plain-{spec['precision']}{'-compile' if spec['compile'] else ''}"
+        plain = f"plain-{resolved_precision(spec)}{'-compile' if spec['compile'] else ''}"
+        plain += "" if spec.get("sparse_mlm", True) else "-dense"
         if spec["kind"].startswith("lmpipe") and "tokens_per_s" in rows.get(plain, {}):
             row["vs_plain_same_setting"] = row["tokens_per_s"] / rows[plain]["tokens_per_s"]
     return best
