@@ -33,12 +33,12 @@ Each row also gives the cores that processes outside the benchmark kept busy whi
 (`lmpipe-local-bf16[-compile]-{fused,zero1-fused,zero0-fused}`: fused AdamW and the ZeRO stage,
 set through `train.deepspeed_extra` / `train.zero_stage`; `lmpipe-ray-{bf16,fp32}-nice0`: Ray
 workers at nice 0; `lmpipe-ray-{bf16,fp32}-poll2`: Ray Train's own 2 s controller poll
-instead of `train.scale.report_poll_s`; `lmpipe-{local,ray}-defaults[-zero0]`: `TrainConfig`'s
-own defaults, and with ZeRO 0; `plain-bf16-raytrain`: the plain loop inside a Ray Train
-worker; `*-dense`: the MLM head at every position, against sparse MLM). Separate subprocesses
-see the machine's speed drift (±15% between runs here), so `--ab NAME` compares one
-lmpipe-local setting with the plain loop in one subprocess, alternating their steps, and prints
-forward, backward and optimizer-step ms per step of each.
+instead of `train.scale.report_poll_s`; `lmpipe-{local,ray}-defaults-zero0`: `TrainConfig`'s
+own defaults (ZeRO 0); `lmpipe-ray-defaults-zero2`: the same with ZeRO 2; `plain-bf16-raytrain`:
+the plain loop inside a Ray Train worker; `*-dense`: the MLM head at every position, against
+sparse MLM). Separate subprocesses see the machine's speed drift (±15% between runs here), so
+`--ab NAME` compares one lmpipe-local setting with the plain loop in one subprocess, alternating
+their steps, and prints forward, backward and optimizer-step ms per step of each.
 
 The Trainer needs `accelerate`, which is not a project dependency. Without it in the venv the
 `hf-*` settings fail, unless it is installed apart, for those subprocesses only:
@@ -140,11 +140,16 @@ EXTRA_VARIANTS |= {
     for precision in ("bf16", "fp32")
 }
 # lmpipe's own defaults (`TrainConfig()`: precision auto, i.e. bf16 on this CPU, the whole
-# global batch per micro-batch at 1 worker, ZeRO 2), and with ZeRO 0, the single-worker
-# setting (ZeRO shards nothing on one rank). `-dense`: the vocabulary projection at every
+# global batch per micro-batch at 1 worker, ZeRO 0), and with ZeRO 2, the default stage until
+# 2026-11-25 (it shards nothing on one rank). `-dense`: the vocabulary projection at every
 # position (`train.sparse_mlm=false`) against sparse MLM, the same loss.
 EXTRA_VARIANTS |= {
-    "lmpipe-ray-defaults": {"kind": "lmpipe-ray", "precision": "auto", "compile": False},
+    "lmpipe-ray-defaults-zero2": {
+        "kind": "lmpipe-ray",
+        "precision": "auto",
+        "compile": False,
+        "zero_stage": 2,
+    },
     "lmpipe-ray-defaults-zero0": {
         "kind": "lmpipe-ray",
         "precision": "auto",

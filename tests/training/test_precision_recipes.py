@@ -53,9 +53,7 @@ def test_bf16_and_compile_train_as_fp32_does(
     demo_data: Any, single_process_dist: None, tmp_path: Path
 ) -> None:
     data = demo_data.examples("bert")
-    runs = {
-        name: train_locally(data, tmp_path / name, *recipe) for name, recipe in RECIPES.items()
-    }
+    runs = {name: train_locally(data, tmp_path / name, *recipe) for name, recipe in RECIPES.items()}
     exact, exact_final = runs["fp32"]
     assert len(exact) == 12 and exact[-1] < 0.9 * exact[0]
     for name in ("bf16", "bf16-compile"):
