@@ -55,7 +55,8 @@ def test_bf16_and_compile_train_as_fp32_does(
     data = demo_data.examples("bert")
     runs = {name: train_locally(data, tmp_path / name, *recipe) for name, recipe in RECIPES.items()}
     exact, exact_final = runs["fp32"]
-    assert len(exact) == 12 and exact[-1] < 0.9 * exact[0]
+    assert len(exact) == 12
+    assert exact[-1] < 0.9 * exact[0]  # fp32 learns: the curves compared are real
     for name in ("bf16", "bf16-compile"):
         losses, final = runs[name]
         assert np.isfinite(losses).all(), name
