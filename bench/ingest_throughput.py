@@ -1,6 +1,7 @@
 """Ingestion throughput and peak memory, against pyarrow alone reading the same bytes.
 
 Usage: python bench/ingest_throughput.py [--mb 200] [--out bench/results] [--profile]
+                                         [--only 1:rules,2:rules:double]
 
 Generates a JSON-Lines corpus of unique ~1 kB documents (--mb MiB, and a doubled one for the
 memory check), then for each setting runs the real stage (Ray tasks, dedup on) in a fresh local
@@ -204,6 +205,12 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="Comma-separated WORKERS:SPLITTER[:double] settings (e.g. 1:rules,2:rules:double); "
+        "default: all five.",
+    )
     args = parser.parse_args()
     data = args.out / "data"
     small = generate(data / f"corpus-{args.mb}.jsonl", args.mb)
@@ -218,13 +225,21 @@ def main() -> None:
     results: dict[str, object] = {"machine": machine, "floor": floors(small), "runs": []}
     runs = results["runs"]
     assert isinstance(runs, list)
-    for workers, splitter, corpus in [
+    settings = [
         (1, "rules", small),
         (2, "rules", small),
         (1, "none", small),
         (2, "none", small),
         (2, "rules", big),
-    ]:
+    ]
+    if args.only:
+        wanted = {tuple(item.split(":")) for item in args.only.split(",")}
+        settings = [
+            (w, sp, c)
+            for w, sp, c in settings
+            if (str(w), sp, *(("double",) if c is big else ())) in wanted
+        ]
+    for workers, splitter, corpus in settings:
         run = run_one(corpus, workers, splitter, args.out / "ws")
         print(json.dumps(run), flush=True)
         runs.append(run)

@@ -209,3 +209,64 @@ def test_binary_and_empty_files_are_quarantined(tmp_path: Path) -> None:
     good, bad, _ = read_all(SourceConfig(path=str(tmp_path), txt_mode="line"))
     assert good == []
     assert sorted(r for _, r in bad) == ["binary_file", "empty_file"]
+
+
+# Lines of every kind a JSON Lines file may hold, good and bad (issue 2's hostile cases).
+_JSONL_LINES = [
+    b'{"text": "plain"}',
+    b'{"text": "unicode \xc3\xa9\xe2\x80\xa8 \\u2028 \\n escaped"}',
+    b'{"text": "crlf"}\r',
+    b'  {"text": "padded"}  ',
+    b'{"id": 3, "text": "with other fields", "meta": {"a": [1, 2]}}',
+    b'{"text": "first", "text": "duplicate key"}',
+    b"",
+    b"   \t ",
+    b"\r",
+    b"\xef\xbb\xbf" + b'{"text": "byte-order mark"}',
+    b'{"text": "broken',
+    b'{"body": "no text"}',
+    b'{"text": null}',
+    b'{"text": 42}',
+    b'{"text": ["a"]}',
+    b'["not", "an object"]',
+    b'"a bare string"',
+    b"17",
+    b'{"text": "bad \xff utf8"}',
+    b'{"text": "nul \x00 byte"}',
+    b'{"text": "lone \\ud800 surrogate"}',
+    b'{"text": "' + b"long " * 40 + b'"}',
+]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_jsonl_line_splitter_reads_exactly_as_the_general_separator_path(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_emit_lines` (one split, orjson first) against the regex path with its per-record checks.
+
+    Small read blocks put block ends inside records, at newlines and inside CRLF pairs.
+    """
+    import io
+    import random
+    import re
+
+    from tasks import readers
+    from tasks.sources import InputFile, WorkUnit
+
+    rng = random.Random(seed)
+    lines = [rng.choice(_JSONL_LINES) for _ in range(rng.randint(1, 120))]
+    data = b"\n".join(lines) + (b"\n" if rng.random() < 0.5 else b"")
+    monkeypatch.setattr(readers, "_BLOCK", rng.choice([16, 37, 64, 256, 4096]))
+    file = InputFile("s", "a.jsonl", "a.jsonl", "jsonl", None, len(data))
+    unit = WorkUnit(0, file, 0, len(data), False)
+    limit = rng.choice([150, 1 << 20])
+
+    def read(sep: re.Pattern[bytes]) -> list[tuple[object, ...]]:
+        out: list[tuple[object, ...]] = []
+        for batch in readers._read_delimited(io.BytesIO(data), unit, sep, limit, "text"):
+            out += [("ok", *r) for r in zip(batch.offsets, batch.lines, batch.texts, strict=True)]
+            out += [("bad", r.offset, r.line, r.reason, r.detail, r.excerpt) for r in batch.bad]
+        return sorted(out, key=lambda r: (r[1], r[0]))
+
+    general = re.compile(rb"(?:\n)")  # the same matches, but not the line fast path
+    assert read(readers._SEPARATORS["line"]) == read(general)
