@@ -1,6 +1,7 @@
 """Tokenizer training and corpus encoding: lmpipe's stages against the libraries called alone.
 
 Usage: python bench/tokenizer_encode.py [--mb 110] [--vocab 30000] [--out bench/results]
+       [--only encode]
 
 Builds a JSON-Lines corpus of at least --mb MiB from the real texts in ../shared/data (random
 windows of consecutive sentences of the Gutenberg books, Tiny Shakespeare and the IMDB
@@ -9,12 +10,16 @@ reviews), ingests it once, then measures, on the same documents:
 (a) encoding, tokens/s: the whole `encode` stage (read shards, encode, write token shards, on
     a local Ray with one worker per core) against `Tokenizer.encode_batch` alone on the
     documents already in memory (all cores), and against
-    `datasets.Dataset.map(tokenizer, batched=True, num_proc=<cores>)`;
+    `datasets.Dataset.map(tokenizer, batched=True, num_proc=<cores>)`; also the stage with
+    `encode.fast_ascii=false` (`tokenizers` encodes every sentence), the stage as it was before
+    the byte-level fast path;
 (b) training time: the `tokenizer` stage (streaming the train split from the shards) against
     the trainer called on the documents already in a Python list, per family; for Unigram,
     also sentencepiece against the `tokenizers` Unigram trainer;
 (c) the peak memory of each: every measurement runs in a fresh subprocess, and the summed RSS
     of it and all its children (Ray, datasets workers) is sampled every 0.1 s.
+
+`--only encode` trains the byte-level BPE tokenizer once (untimed) and measures only (a).
 """
 
 from __future__ import annotations
@@ -229,7 +234,7 @@ def phase_train_direct(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def phase_encode_stage(args: argparse.Namespace) -> dict[str, Any]:
+def phase_encode_stage(args: argparse.Namespace, fast_ascii: bool = True) -> dict[str, Any]:
     import ray
 
     from tasks.encode import EncodeConfig
@@ -242,7 +247,8 @@ def phase_encode_stage(args: argparse.Namespace) -> dict[str, Any]:
     ensure_ray(ray_cfg)
     ray_start_s = time.perf_counter() - start
     start = time.perf_counter()
-    result = run_encode(EncodeConfig(), ray_cfg, args.ingest, args.tokenizer, args.work / "ws-enc")
+    cfg = EncodeConfig(fast_ascii=fast_ascii)
+    result = run_encode(cfg, ray_cfg, args.ingest, args.tokenizer, args.work / "ws-enc")
     elapsed = time.perf_counter() - start
     ray.shutdown()
     metrics = result.manifest["metrics"]
@@ -253,6 +259,11 @@ def phase_encode_stage(args: argparse.Namespace) -> dict[str, Any]:
         "documents": metrics["documents"],
         "tokens_per_s": metrics["tokens"] / elapsed,
     }
+
+
+def phase_encode_stage_tokenizers(args: argparse.Namespace) -> dict[str, Any]:
+    """The encode stage with `tokenizers` encoding every sentence (no byte-level fast path)."""
+    return phase_encode_stage(args, fast_ascii=False)
 
 
 def _warm_worker(_: int) -> str:
@@ -329,6 +340,7 @@ PHASES = {
     "train-direct": phase_train_direct,
     "encode-stage": phase_encode_stage,
     "encode-stage-warm": phase_encode_stage_warm,
+    "encode-stage-tokenizers": phase_encode_stage_tokenizers,
     "encode-floor": phase_encode_floor,
     "encode-datasets": phase_encode_datasets,
 }
@@ -393,6 +405,27 @@ def best_of(
     return best
 
 
+ENCODE_PHASES = ["encode-stage", "encode-stage-tokenizers", "encode-floor", "encode-datasets"]
+
+
+def measure_encode(args: argparse.Namespace, ingest: str, tokenizer: str) -> dict[str, Any]:
+    """(a): the encode stage, with and without the fast path, the floor and `datasets.map`."""
+    where = {"ingest": ingest, "tokenizer": tokenizer}
+    runs = best_of(args, [(n, where) for n in ENCODE_PHASES])
+    enc = dict(zip(ENCODE_PHASES, runs, strict=True))
+    floor, ds = enc["encode-floor"]["tokens_per_s"], enc["encode-datasets"]["tokens_per_s"]
+    for name in ("encode-stage", "encode-stage-tokenizers"):
+        stage = enc[name]["tokens_per_s"]
+        print(f"{name}: /floor {stage / floor:.2f}x, /datasets.map {stage / ds:.2f}x")
+    return enc
+
+
+def write_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    out = args.out / "tokenizer_encode.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+
+
 def orchestrate(args: argparse.Namespace) -> None:
     corpus = write_corpus(args.work / f"corpus-{args.mb}.jsonl", args.mb)
     machine = {
@@ -405,7 +438,13 @@ def orchestrate(args: argparse.Namespace) -> None:
     results: dict[str, Any] = {"machine": machine, "vocab": args.vocab, "repeat": args.repeat}
     ingest = run_phase("ingest", args, corpus=corpus)
     results["ingest"] = ingest
-    training = []
+    if args.only == "encode":
+        where = {"ingest": ingest["path"], "family": "bpe"}
+        bpe_dir = run_phase("train-stage", args, **where)["path"]
+        results["encode"] = measure_encode(args, ingest["path"], bpe_dir)
+        write_results(args, results)
+        return
+    training: list[dict[str, Any]] = []
     bpe_dir = ""
     for family in ("wordpiece", "bpe", "unigram"):
         where = {"ingest": ingest["path"], "family": family}
@@ -423,16 +462,8 @@ def orchestrate(args: argparse.Namespace) -> None:
     training.append({"family": "unigram-sentencepiece-only", "direct": spm})
     training.append({"family": "unigram-tokenizers", "direct": tokenizers_unigram})
     results["training"] = training
-    names = ["encode-stage", "encode-floor", "encode-datasets"]
-    where = {"ingest": ingest["path"], "tokenizer": bpe_dir}
-    results["encode"] = dict(zip(names, best_of(args, [(n, where) for n in names]), strict=True))
-    out = args.out / "tokenizer_encode.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=str))
-    enc = results["encode"]
-    floor, ds = enc["encode-floor"]["tokens_per_s"], enc["encode-datasets"]["tokens_per_s"]
-    stage = enc["encode-stage"]["tokens_per_s"]
-    print(f"encode: stage/floor {stage / floor:.2f}x, stage/datasets.map {stage / ds:.2f}x")
+    results["encode"] = measure_encode(args, ingest["path"], bpe_dir)
+    write_results(args, results)
     for row in training:
         if "stage" in row:
             ratio = row["stage"]["elapsed_s"] / row["direct"]["elapsed_s"]
@@ -449,6 +480,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--work", type=Path, default=Path("bench/results/tokenizer_work"))
     parser.add_argument("--phase", choices=sorted(PHASES))
+    parser.add_argument("--only", choices=["encode"], help="measure only (a), encoding")
     parser.add_argument("--corpus", type=Path)
     parser.add_argument("--ingest", type=Path)
     parser.add_argument("--tokenizer", type=Path)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import chain
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer
 
 from tasks import schema
+from tasks.bytelevel import SegmentEncoder
 from tasks.io import atomic_writer, read_ipc_stream, sha256_file, write_json_atomic
 
 #: Left edges of the tokens-per-document histogram: 0, then quarter octaves up to 2**24.
@@ -43,6 +43,12 @@ class EncodeConfig(BaseModel):
         ge=1,
         description="Documents per token shard, and per Ray task: an ingest shard is cut "
         "into parts of this size so that every worker has work.",
+    )
+    fast_ascii: bool = Field(
+        True,
+        description="Byte-level BPE only: split ASCII sentences with lmpipe's exact copy of the "
+        "GPT-2 pattern and encode each distinct word once (same ids, about 3x faster); "
+        "false: `tokenizers` encodes every sentence.",
     )
     dtype: Literal["auto", "uint16", "uint32"] = Field(
         "auto", description="Id type of the shards; auto: uint16 when the vocabulary fits."
@@ -100,17 +106,21 @@ def sentence_segments(
     return segments, counts
 
 
-def encode_documents(table: pa.Table, tok: Tokenizer, ids: pa.DataType) -> pa.Table:
-    """Encode each document sentence by sentence (no special tokens); returns `tokens_schema`."""
+def encode_documents(
+    table: pa.Table, tok: Tokenizer | SegmentEncoder, ids: pa.DataType
+) -> pa.Table:
+    """Encode each document sentence by sentence (no special tokens); returns `tokens_schema`.
+
+    A `SegmentEncoder` gives the same ids as its tokenizer, faster for byte-level BPE; pass one
+    to keep its word cache across calls.
+    """
     schema.require_columns(table, schema.DOC_ID, schema.TEXT, schema.SENTENCES)
     doc_ids = table.column(schema.DOC_ID).to_pylist()
     segments, counts = sentence_segments(
         doc_ids, table.column(schema.TEXT).to_pylist(), table.column(schema.SENTENCES).to_pylist()
     )
-    # encode_batch_fast skips the offsets, which are not needed: sentences are encoded apart.
-    encodings = tok.encode_batch_fast(segments, add_special_tokens=False)
-    lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))  # no id lists built
-    flat = np.fromiter(chain.from_iterable(e.ids for e in encodings), np.uint32, int(lengths.sum()))
+    encoder = tok if isinstance(tok, SegmentEncoder) else SegmentEncoder(tok)
+    flat, lengths = encoder.encode(segments)
     sentence_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     doc_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     values = pa.array(flat.astype(ids.to_pandas_dtype()), ids)
@@ -187,8 +197,9 @@ class EncodeJob:
 
 
 @lru_cache(maxsize=2)
-def _load_tokenizer(path: str) -> Tokenizer:
-    return Tokenizer.from_file(path)  # once per worker process, not per shard
+def _load_encoder(path: str, fast: bool) -> SegmentEncoder:
+    # once per worker process, not per shard, so that the word cache carries over
+    return SegmentEncoder(Tokenizer.from_file(path), fast=fast)
 
 
 def encode_shard(job: EncodeJob) -> dict[str, Any]:
@@ -201,7 +212,7 @@ def encode_shard(job: EncodeJob) -> dict[str, Any]:
     stats_path, dst = Path(job.stats), Path(job.dst)
     if stats_path.exists() and dst.exists():
         return json.loads(stats_path.read_text())  # type: ignore[no-any-return]
-    tok = _load_tokenizer(job.tokenizer)
+    tok = _load_encoder(job.tokenizer, job.cfg.fast_ascii)
     ids = pa.uint16() if job.ids == "uint16" else pa.uint32()
     docs = read_ipc_stream(Path(job.src), [schema.DOC_ID, schema.TEXT, schema.SENTENCES])
     docs = docs.slice(job.start, job.stop - job.start)
