@@ -66,21 +66,53 @@ def generate(path: Path, mib: int, seed: int = 0) -> Path:
     return path
 
 
+def process_role(proc: psutil.Process, me: int) -> str:
+    """What a process under the benchmark is: the driver, a Ray daemon, or a Ray worker."""
+    if proc.pid == me:
+        return "driver"
+    line = " ".join(proc.cmdline())
+    for needle, role in (
+        ("gcs_server", "gcs_server"),
+        ("raylet", "raylet"),
+        ("dashboard/agent.py", "dashboard_agent"),
+        ("runtime_env", "runtime_env_agent"),
+        ("log_monitor", "log_monitor"),
+        ("ray::", "workers"),
+        ("default_worker.py", "workers"),
+    ):
+        if needle in line:
+            return role
+    return "other"
+
+
 class PeakRss(threading.Thread):
-    """Sample the summed RSS of this process and all its descendants."""
+    """Sample the summed RSS of this process and all its descendants.
+
+    `breakdown` is the RSS per process role (driver, Ray daemons, workers) at the peak.
+    """
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak, self.stop = 0, threading.Event()
+        self.breakdown: dict[str, float] = {}
 
     def run(self) -> None:  # noqa: D102
         me = psutil.Process()
         while not self.stop.is_set():
-            total = 0
+            total, roles = 0, {}
             for proc in [me, *me.children(recursive=True)]:
                 with contextlib.suppress(psutil.Error):
-                    total += proc.memory_info().rss
-            self.peak = max(self.peak, total)
+                    rss = proc.memory_info().rss
+                    role = process_role(proc, me.pid)
+                    total += rss
+                    roles[role] = roles.get(role, 0) + rss
+                    if role == "workers":
+                        roles["worker_count"] = roles.get("worker_count", 0) + 1
+            if total > self.peak:
+                self.peak = total
+                self.breakdown = {
+                    k: (v if k == "worker_count" else round(v / 2**20)) for k, v in roles.items()
+                }
             time.sleep(0.2)
 
 
@@ -139,6 +171,7 @@ def run_one(path: Path, workers: int, splitter: str, workdir: Path) -> dict[str,
         "mb_s": round(mib / elapsed, 2),
         "mb_s_per_worker": round(mib / elapsed / workers, 2),
         "peak_rss_mib": round(sampler.peak / 2**20),
+        "peak_breakdown_mib": sampler.breakdown,
         "documents": result.manifest["counts"]["read"],
         **phases,
     }

@@ -1,7 +1,7 @@
 """Tokenizer training and corpus encoding: lmpipe's stages against the libraries called alone.
 
 Usage: python bench/tokenizer_encode.py [--mb 110] [--vocab 30000] [--out bench/results]
-       [--only encode]
+       [--only encode|unigram]
 
 Builds a JSON-Lines corpus of at least --mb MiB from the real texts in ../shared/data (random
 windows of consecutive sentences of the Gutenberg books, Tiny Shakespeare and the IMDB
@@ -19,7 +19,8 @@ reviews), ingests it once, then measures, on the same documents:
 (c) the peak memory of each: every measurement runs in a fresh subprocess, and the summed RSS
     of it and all its children (Ray, datasets workers) is sampled every 0.1 s.
 
-`--only encode` trains the byte-level BPE tokenizer once (untimed) and measures only (a).
+`--only encode` trains the byte-level BPE tokenizer once (untimed) and measures only (a);
+`--only unigram` measures only the Unigram rows of (b): the stage against the direct call.
 """
 
 from __future__ import annotations
@@ -444,6 +445,13 @@ def orchestrate(args: argparse.Namespace) -> None:
         results["encode"] = measure_encode(args, ingest["path"], bpe_dir)
         write_results(args, results)
         return
+    if args.only == "unigram":
+        where = {"ingest": ingest["path"], "family": "unigram"}
+        stage, direct = best_of(args, [("train-stage", where), ("train-direct", where)])
+        results["training"] = [{"family": "unigram", "stage": stage, "direct": direct}]
+        write_results(args, results)
+        print(f"train unigram: stage/direct {stage['elapsed_s'] / direct['elapsed_s']:.3f}")
+        return
     training: list[dict[str, Any]] = []
     bpe_dir = ""
     for family in ("wordpiece", "bpe", "unigram"):
@@ -480,7 +488,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--work", type=Path, default=Path("bench/results/tokenizer_work"))
     parser.add_argument("--phase", choices=sorted(PHASES))
-    parser.add_argument("--only", choices=["encode"], help="measure only (a), encoding")
+    parser.add_argument(
+        "--only", choices=["encode", "unigram"], help="measure only (a), or only Unigram's (b)"
+    )
     parser.add_argument("--corpus", type=Path)
     parser.add_argument("--ingest", type=Path)
     parser.add_argument("--tokenizer", type=Path)
