@@ -24,7 +24,6 @@ from tasks.io import (
     atomic_writer,
     read_ipc_stream,
     sha256_file,
-    write_ipc_stream,
     write_json_atomic,
 )
 from tasks.readers import read_unit
@@ -248,36 +247,44 @@ class ShardJob:
 
 
 def write_shard(job: ShardJob) -> dict[str, Any]:
-    """Assemble one shard from staged units and write it atomically; return rows and bytes."""
-    tables = []
-    for unit_index, source, file, line_base, rows in job.parts:
-        staged = read_ipc_stream(Path(job.staging) / f"unit-{unit_index:06d}.docs.arrow")
-        part = staged.take(pa.array(rows))
-        n = part.num_rows
-        doc_id = [
-            f"{(int(h) << 64) | int(low):032x}"
-            for h, low in zip(
-                part.column(HASH_HI).to_pylist(), part.column(HASH_LO).to_pylist(), strict=True
+    """Assemble one shard from staged units and write it atomically; return rows and bytes.
+
+    Each staged part is written as its own record batches as soon as it is taken, so a worker
+    holds one part at a time, never the whole shard (or two copies of it).
+    """
+    rows_written = 0
+    with (
+        atomic_writer(Path(job.path)) as handle,
+        pa.ipc.new_stream(handle, schema.DOCUMENTS) as writer,
+    ):
+        for unit_index, source, file, line_base, rows in job.parts:
+            staged = read_ipc_stream(Path(job.staging) / f"unit-{unit_index:06d}.docs.arrow")
+            part = staged.take(pa.array(rows))
+            n = part.num_rows
+            doc_id = [
+                f"{(int(h) << 64) | int(low):032x}"
+                for h, low in zip(
+                    part.column(HASH_HI).to_pylist(), part.column(HASH_LO).to_pylist(), strict=True
+                )
+            ]
+            writer.write_table(
+                pa.table(
+                    {
+                        schema.DOC_ID: pa.array(doc_id, pa.string()),
+                        schema.SOURCE: pa.array([source] * n, pa.string()),
+                        schema.SOURCE_FILE: pa.array([file] * n, pa.string()),
+                        schema.OFFSET: part.column(schema.OFFSET),
+                        schema.LINE: pc.add(part.column(schema.LINE), line_base),
+                        schema.TEXT: part.column(schema.TEXT),
+                        schema.SENTENCES: part.column(schema.SENTENCES),
+                    },
+                    schema=schema.DOCUMENTS,
+                )
             )
-        ]
-        tables.append(
-            pa.table(
-                {
-                    schema.DOC_ID: pa.array(doc_id, pa.string()),
-                    schema.SOURCE: pa.array([source] * n, pa.string()),
-                    schema.SOURCE_FILE: pa.array([file] * n, pa.string()),
-                    schema.OFFSET: part.column(schema.OFFSET),
-                    schema.LINE: pc.add(part.column(schema.LINE), line_base),
-                    schema.TEXT: part.column(schema.TEXT),
-                    schema.SENTENCES: part.column(schema.SENTENCES),
-                },
-                schema=schema.DOCUMENTS,
-            )
-        )
-    table = pa.concat_tables(tables).combine_chunks()
-    write_ipc_stream(table, Path(job.path))
+            rows_written += n
+            del staged, part  # drop the part (and the map of its unit) before the next one
     return {
-        "rows": table.num_rows,
+        "rows": rows_written,
         "bytes": Path(job.path).stat().st_size,
         "sha256": sha256_file(Path(job.path)),
     }

@@ -2,7 +2,13 @@ from pathlib import Path
 
 import pytest
 
-from tasks.ray_runtime import RayConfig, check_storage, is_remote_uri, storage_problem
+from tasks.ray_runtime import (
+    RayConfig,
+    _environment,
+    check_storage,
+    is_remote_uri,
+    storage_problem,
+)
 
 
 @pytest.mark.parametrize(
@@ -53,3 +59,34 @@ def test_shared_storage_defaults_to_false_and_is_described() -> None:
     field = RayConfig.model_fields["shared_storage"]
     assert RayConfig().shared_storage is False
     assert "NFS" in (field.description or "")
+
+
+def test_local_ray_workers_get_one_thread_without_a_job_runtime_env(ray_session: str) -> None:
+    """The variables reach the workers through the raylet's environment, not a runtime_env.
+
+    A job runtime_env would keep Ray from using the workers it prestarts for this driver.
+    """
+    import os
+
+    import ray
+
+    def worker_view() -> tuple[str | None, str | None]:  # pickled by value: tests/ is no package
+        return os.environ.get("OMP_NUM_THREADS"), os.environ.get("TOKENIZERS_PARALLELISM")
+
+    assert ray.get_runtime_context().runtime_env == {}
+    views = ray.get([ray.remote(worker_view).remote() for _ in range(4)])
+    assert set(views) == {("1", "false")}
+
+
+def test_environment_block_restores_set_and_absent_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    monkeypatch.setenv("LMPIPE_TEST_SET", "before")
+    monkeypatch.delenv("LMPIPE_TEST_ABSENT", raising=False)
+    with _environment({"LMPIPE_TEST_SET": "during", "LMPIPE_TEST_ABSENT": "during"}):
+        assert os.environ["LMPIPE_TEST_SET"] == "during"
+        assert os.environ["LMPIPE_TEST_ABSENT"] == "during"
+    assert os.environ["LMPIPE_TEST_SET"] == "before"
+    assert "LMPIPE_TEST_ABSENT" not in os.environ
