@@ -10,9 +10,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 
 from tasks.bytelevel import SegmentEncoder, fast_path_reason
 from tasks.tokenizer import (
-    PretrainedFiles,
     TokenizerConfig,
-    load_tokenizer_files,
     train_tokenizer,
 )
 
@@ -83,15 +81,6 @@ def random_segments(seed: int, count: int, added: list[str]) -> list[str]:
                 pieces.append(rng.choice(added))
         out.append("".join(pieces))
     return out
-
-
-@pytest.fixture(scope="module")
-def gpt2(shared_data: Path) -> Tokenizer:
-    folder = shared_data / "gpt2_bpe_reference"
-    files = PretrainedFiles(
-        vocab_json=str(folder / "encoder.json"), merges=str(folder / "vocab.bpe")
-    )
-    return load_tokenizer_files(files, TokenizerConfig(family="bpe", lowercase=False))
 
 
 @pytest.fixture(scope="module")

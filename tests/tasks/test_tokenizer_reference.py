@@ -107,15 +107,6 @@ def test_bert_character_classes_behave_as_published(bert_dir: Path, tmp_path: Pa
         assert tok.encode(f"a{char}b", add_special_tokens=False).tokens == ["a", char, "b"]
 
 
-@pytest.fixture(scope="module")
-def gpt2(shared_data: Path) -> Tokenizer:
-    folder = shared_data / "gpt2_bpe_reference"
-    files = PretrainedFiles(
-        vocab_json=str(folder / "encoder.json"), merges=str(folder / "vocab.bpe")
-    )
-    return load_tokenizer_files(files, TokenizerConfig(family="bpe", lowercase=False))
-
-
 def test_gpt2_files_reproduce_cases_vectors_and_document_count(
     shared_data: Path, gpt2: Tokenizer
 ) -> None:
