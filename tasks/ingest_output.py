@@ -22,8 +22,10 @@ from tasks import schema
 from tasks.dedup import HASH_HI, HASH_LO, MINHASH, DedupConfig, exact_keep_mask, near_keep_mask
 from tasks.ingest import SPLITS, IngestConfig, ShardJob
 from tasks.io import (
+    arrow_of,
     atomic_writer,
     flatten,
+    numpy_of,
     read_ipc_stream,
     safe_join,
     sha256_file,
@@ -52,10 +54,10 @@ def load_keys(staging: Path, units: list[WorkUnit], near: bool) -> Keys:
         return np.concatenate(arrays) if arrays else np.empty(0, dtype)
 
     return Keys(
-        hi=concat([t.column(HASH_HI).to_numpy() for t in tables], np.uint64),
-        lo=concat([t.column(HASH_LO).to_numpy() for t in tables], np.uint64),
+        hi=concat([numpy_of(t.column(HASH_HI)) for t in tables], np.uint64),
+        lo=concat([numpy_of(t.column(HASH_LO)) for t in tables], np.uint64),
         text_bytes=concat(
-            [pc.binary_length(t.column(schema.TEXT)).to_numpy() for t in tables], np.int64
+            [numpy_of(pc.binary_length(t.column(schema.TEXT))) for t in tables], np.int64
         ),
         sizes=[t.num_rows for t in tables],
         signatures=(
@@ -83,8 +85,8 @@ def dedup_documents(keys: Keys, cfg: DedupConfig, prior: pa.Table | None) -> Ded
         keep = exact_keep_mask(
             keys.hi,
             keys.lo,
-            prior.column(HASH_HI).to_numpy() if prior else None,
-            prior.column(HASH_LO).to_numpy() if prior else None,
+            numpy_of(prior.column(HASH_HI)) if prior else None,
+            numpy_of(prior.column(HASH_LO)) if prior else None,
         )
     exact = int((~keep).sum())
     if cfg.near.enabled and keys.signatures is not None:
@@ -103,7 +105,7 @@ def write_dedup_index(
     out: Path, keys: Keys, keep: np.ndarray, prior: pa.Table | None
 ) -> dict[str, Any]:
     """Write the hashes (and signatures) of every kept document, old ones first."""
-    columns = {HASH_HI: pa.array(keys.hi[keep]), HASH_LO: pa.array(keys.lo[keep])}
+    columns = {HASH_HI: arrow_of(keys.hi[keep]), HASH_LO: arrow_of(keys.lo[keep])}
     if keys.signatures is not None:
         columns[MINHASH] = keys.signatures.filter(pa.array(keep))
     index = pa.table(columns)

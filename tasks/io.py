@@ -21,6 +21,7 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, SecretBytes, SecretStr
 
@@ -107,6 +108,45 @@ def read_ipc_stream(path: Path, columns: list[str] | None = None) -> pa.Table:
     with pa.memory_map(str(path)) as source:
         table = pa.ipc.open_stream(source).read_all()
     return table.select(columns) if columns is not None else table
+
+
+# pyarrow imports pandas the first time `to_numpy` or `pa.array` meets a NumPy array (0.2-0.3 s
+# in every fresh process). The ingest driver does that between its read and write phases, while
+# a core idles, so its fixed-width columns go through these two instead.
+_NUMPY_OF_ARROW = {"halffloat": "float16", "float": "float32", "double": "float64"}
+
+
+def numpy_of(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A null-free integer or float column as NumPy: a view of one chunk, else one copy.
+
+    Raises:
+        TypeError: the column is not of an integer or floating-point type.
+        ValueError: the column holds nulls.
+    """
+    if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+        raise TypeError(f"numpy_of takes integer or float columns, not {values.type}")
+    if values.null_count:
+        raise ValueError(f"numpy_of: the column holds {values.null_count} nulls")
+    name = str(values.type)
+    dtype = np.dtype(_NUMPY_OF_ARROW.get(name, name))
+    chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
+    views = [
+        np.frombuffer(c.buffers()[1], dtype, len(c), c.offset * dtype.itemsize)
+        for c in chunks
+        if len(c)
+    ]
+    if len(views) == 1:
+        return views[0]
+    return np.concatenate(views) if views else np.empty(0, dtype)
+
+
+def arrow_of(values: np.ndarray) -> pa.Array:
+    """A 1-D integer or float NumPy array as an Arrow array without nulls (one copy at most)."""
+    if values.ndim != 1 or values.dtype.kind not in "iuf":
+        raise TypeError(f"arrow_of takes 1-D integer or float arrays, not {values.dtype}")
+    values = np.ascontiguousarray(values)
+    arrow_type = pa.from_numpy_dtype(values.dtype)
+    return pa.Array.from_buffers(arrow_type, len(values), [None, pa.py_buffer(values)])
 
 
 def sha256_file(path: Path) -> str:

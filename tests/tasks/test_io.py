@@ -1,13 +1,16 @@
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from pydantic import BaseModel, SecretStr
 
 from tasks.io import (
     UnsafePathError,
+    arrow_of,
     atomic_writer,
     fingerprint,
+    numpy_of,
     public_dump,
     read_ipc_stream,
     safe_join,
@@ -90,3 +93,36 @@ def test_public_dump_leaves_secrets_out() -> None:
     assert dump == {"user": "u", "options": ["key"]}
     assert "hunter2" not in repr(dump)
     assert "s3cr3t" not in repr(dump)
+
+
+@pytest.mark.parametrize(
+    "arrow_type", [pa.int8(), pa.uint16(), pa.int32(), pa.uint64(), pa.float32(), pa.float64()]
+)
+def test_numpy_of_equals_to_numpy_for_chunked_sliced_and_empty_columns(
+    arrow_type: pa.DataType,
+) -> None:
+    values = pa.array(np.arange(50).astype(arrow_type.to_pandas_dtype()), arrow_type)
+    columns = [
+        values,
+        values.slice(7, 20),  # an offset into the buffer
+        pa.chunked_array([values.slice(0, 5), values.slice(30, 0), values.slice(12, 9)]),
+        pa.chunked_array([values.slice(3, 11)]),
+        pa.chunked_array([], arrow_type),
+    ]
+    for column in columns:
+        got = numpy_of(column)
+        assert got.dtype == np.dtype(arrow_type.to_pandas_dtype())
+        np.testing.assert_array_equal(got, column.to_numpy())
+        assert np.array_equal(numpy_of(arrow_of(got)), got)
+        assert arrow_of(got).equals(pa.array(got, arrow_type))
+
+
+def test_numpy_of_and_arrow_of_refuse_what_they_cannot_convert() -> None:
+    with pytest.raises(ValueError, match="1 nulls"):
+        numpy_of(pa.array([1, None, 3], pa.int64()))
+    with pytest.raises(TypeError, match="string"):
+        numpy_of(pa.array(["a"]))
+    with pytest.raises(TypeError, match="bool"):
+        arrow_of(np.array([True, False]))
+    with pytest.raises(TypeError, match="1-D"):
+        arrow_of(np.zeros((2, 2), np.int64))
