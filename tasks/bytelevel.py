@@ -44,7 +44,11 @@ _SEPARATOR_ID = np.iinfo(np.uint32).max  # never a real id: vocabularies are far
 
 def fast_path_reason(tok: Tokenizer) -> str | None:
     """Why `tok` cannot use the ASCII fast path, or None when it can."""
-    spec: dict[str, Any] = json.loads(tok.to_str())
+    return _reason(json.loads(tok.to_str()))
+
+
+def _reason(spec: dict[str, Any]) -> str | None:
+    """`fast_path_reason` on a tokenizer's parsed `tokenizer.json`."""
     model, pre, norm = spec.get("model") or {}, spec.get("pre_tokenizer") or {}, spec["normalizer"]
     if model.get("type") != "BPE" or model.get("dropout") not in (None, 0.0):
         return "the model is not a BPE without dropout"
@@ -68,13 +72,13 @@ class SegmentEncoder:
 
     def __init__(self, tok: Tokenizer, fast: bool = True, cache_words: int = 500_000) -> None:
         self.tok = tok
-        self.reason = fast_path_reason(tok) if fast else "the fast path is switched off"
+        spec: dict[str, Any] = json.loads(tok.to_str())
+        self.reason = _reason(spec) if fast else "the fast path is switched off"
         self.cache_words = cache_words
         self.fast_segments = 0
         self.slow_segments = 0
         self._cache: dict[str, tuple[int, ...]] = {}
         if self.reason is None:
-            spec = json.loads(tok.to_str())
             self._lower = spec["normalizer"] is not None
             # The byte table comes from the tokenizer's own pre-tokenizer, one character each.
             pre = tok.pre_tokenizer
