@@ -8,6 +8,7 @@ The pure core is `prepare_documents` (raw text table → cleaned, filtered, hash
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +20,23 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tasks import schema
-from tasks.dedup import HASH_HI, HASH_LO, MINHASH, DedupConfig, content_hashes, minhash_signatures
+from tasks.dedup import (
+    HASH_HI,
+    HASH_LO,
+    MINHASH,
+    DedupConfig,
+    content_hashes,
+    hex_ids,
+    minhash_signatures,
+)
 from tasks.io import (
+    DigestSink,
+    arrow_of,
     atomic_writer,
+    file_matches,
+    numpy_of,
     read_ipc_stream,
-    sha256_file,
+    repeat_string,
     write_json_atomic,
 )
 from tasks.readers import read_unit
@@ -32,6 +45,10 @@ from tasks.sources import SourceConfig, WorkUnit
 from tasks.text import CleanConfig, SentenceConfig, clean_texts, split_sentences
 
 SPLITS = ("train", "validation", "test")
+STAGED = ("docs", "bad")  # the staged files of a unit: unit-NNNNNN.{docs,bad}.arrow
+# Shards start their writeback every this many bytes, so their closing fsync is short.
+_WRITEBACK_BYTES = 16 << 20
+log = logging.getLogger(__name__)
 
 
 class SplitConfig(BaseModel):
@@ -122,8 +139,8 @@ def prepare_documents(raw: pa.Table, cfg: IngestConfig) -> tuple[pa.Table, Count
         schema.LINE: pc.filter(raw.column(schema.LINE), keep),
         schema.TEXT: text.cast(pa.large_string()),
         schema.SENTENCES: sentences,
-        HASH_HI: pa.array(hi),
-        HASH_LO: pa.array(lo),
+        HASH_HI: arrow_of(hi),
+        HASH_LO: arrow_of(lo),
     }
     if cfg.dedup.near.enabled:
         columns[MINHASH] = minhash_signatures(text, cfg.dedup.near)
@@ -170,22 +187,25 @@ def _quarantine_table(batch: RawBatch, unit: WorkUnit) -> pa.Table:
 def process_unit(job: UnitJob) -> dict[str, Any]:
     """Read, clean, filter and hash one work unit into staging files; return its summary.
 
-    The summary JSON is written last, so a unit with a summary is complete and a rerun after a
-    crash reuses it instead of reading the input again.
+    The summary JSON is written last and records the size and xxh3 digest of each staged file,
+    so a rerun after a crash reuses a unit whose summary and files still match, and redoes any
+    other. That check, not an fsync, is what makes staging safe against a crash of the machine:
+    staged files are temporary, and waiting for them to reach the disk cost a core's time.
     """
     unit, cfg = job.unit, job.cfg
     stem = Path(job.staging) / f"unit-{unit.index:06d}"
     summary_path = stem.with_suffix(".json")
-    if summary_path.exists():
-        return json.loads(summary_path.read_text())  # type: ignore[no-any-return]
+    staged = staged_summary(stem)
+    if staged is not None:
+        return staged
     filtered: Counter[str] = Counter()
     quarantined: Counter[str] = Counter()
     read = kept = newlines = 0
-    doc_schema = None
     with (
-        atomic_writer(stem.with_suffix(".docs.arrow")) as docs_out,
-        atomic_writer(stem.with_suffix(".bad.arrow")) as bad_out,
+        atomic_writer(stem.with_suffix(".docs.arrow"), durable=False) as docs_file,
+        atomic_writer(stem.with_suffix(".bad.arrow"), durable=False) as bad_file,
     ):
+        docs_out, bad_out = DigestSink(docs_file, "xxh3_128"), DigestSink(bad_file, "xxh3_128")
         bad_writer = pa.ipc.new_stream(bad_out, schema.QUARANTINE)
         doc_writer = None
         for batch in read_unit(
@@ -193,8 +213,7 @@ def process_unit(job: UnitJob) -> dict[str, Any]:
         ):
             docs, dropped = prepare_documents(_raw_table(batch), cfg)
             if doc_writer is None:
-                doc_schema = docs.schema
-                doc_writer = pa.ipc.new_stream(docs_out, doc_schema)
+                doc_writer = pa.ipc.new_stream(docs_out, docs.schema)
             doc_writer.write_table(docs)
             bad_writer.write_table(_quarantine_table(batch, unit))
             read += len(batch.texts) + len(batch.bad)
@@ -214,9 +233,33 @@ def process_unit(job: UnitJob) -> dict[str, Any]:
         "newlines": newlines,
         "filtered": dict(filtered),
         "quarantined": dict(quarantined),
+        "staged": {"docs": docs_out.entry(), "bad": bad_out.entry()},
     }
-    write_json_atomic(summary_path, summary)
+    write_json_atomic(summary_path, summary, durable=False)
     return summary
+
+
+def staged_summary(stem: Path) -> dict[str, Any] | None:
+    """The summary of a unit staged by an earlier run, or None unless it and its files check out.
+
+    A summary that is missing, unreadable, or whose files differ in size or digest from what it
+    recorded (a crash of the machine can lose unsynced writes) means the unit is done again.
+    """
+    path = stem.with_suffix(".json")
+    if not path.exists():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+        intact = all(
+            file_matches(stem.with_suffix(f".{kind}.arrow"), summary["staged"][kind])
+            for kind in STAGED
+        )
+    except (ValueError, KeyError, TypeError):
+        intact = False
+    if intact:
+        return summary  # type: ignore[no-any-return]
+    log.warning("staged unit %s does not match its summary; processing it again", stem.name)
+    return None
 
 
 def _source_of(cfg: IngestConfig, unit: WorkUnit) -> SourceConfig:
@@ -250,41 +293,33 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
     """Assemble one shard from staged units and write it atomically; return rows and bytes.
 
     Each staged part is written as its own record batches as soon as it is taken, so a worker
-    holds one part at a time, never the whole shard (or two copies of it).
+    holds one part at a time, never the whole shard (or two copies of it). The sha256 is taken
+    from the bytes on their way to the file, not by reading the file back.
     """
     rows_written = 0
-    with (
-        atomic_writer(Path(job.path)) as handle,
-        pa.ipc.new_stream(handle, schema.DOCUMENTS) as writer,
-    ):
-        for unit_index, source, file, line_base, rows in job.parts:
-            staged = read_ipc_stream(Path(job.staging) / f"unit-{unit_index:06d}.docs.arrow")
-            part = staged.take(pa.array(rows))
-            n = part.num_rows
-            doc_id = [
-                f"{(int(h) << 64) | int(low):032x}"
-                for h, low in zip(
-                    part.column(HASH_HI).to_pylist(), part.column(HASH_LO).to_pylist(), strict=True
+    with atomic_writer(Path(job.path)) as handle:
+        sink = DigestSink(handle, "sha256", writeback_bytes=_WRITEBACK_BYTES)
+        with pa.ipc.new_stream(sink, schema.DOCUMENTS) as writer:
+            for unit_index, source, file, line_base, rows in job.parts:
+                staged = read_ipc_stream(Path(job.staging) / f"unit-{unit_index:06d}.docs.arrow")
+                part = staged.take(arrow_of(rows.astype(np.int64, copy=False)))
+                n = part.num_rows
+                writer.write_table(
+                    pa.table(
+                        {
+                            schema.DOC_ID: hex_ids(
+                                numpy_of(part.column(HASH_HI)), numpy_of(part.column(HASH_LO))
+                            ),
+                            schema.SOURCE: repeat_string(source, n),
+                            schema.SOURCE_FILE: repeat_string(file, n),
+                            schema.OFFSET: part.column(schema.OFFSET),
+                            schema.LINE: pc.add(part.column(schema.LINE), line_base),
+                            schema.TEXT: part.column(schema.TEXT),
+                            schema.SENTENCES: part.column(schema.SENTENCES),
+                        },
+                        schema=schema.DOCUMENTS,
+                    )
                 )
-            ]
-            writer.write_table(
-                pa.table(
-                    {
-                        schema.DOC_ID: pa.array(doc_id, pa.string()),
-                        schema.SOURCE: pa.array([source] * n, pa.string()),
-                        schema.SOURCE_FILE: pa.array([file] * n, pa.string()),
-                        schema.OFFSET: part.column(schema.OFFSET),
-                        schema.LINE: pc.add(part.column(schema.LINE), line_base),
-                        schema.TEXT: part.column(schema.TEXT),
-                        schema.SENTENCES: part.column(schema.SENTENCES),
-                    },
-                    schema=schema.DOCUMENTS,
-                )
-            )
-            rows_written += n
-            del staged, part  # drop the part (and the map of its unit) before the next one
-    return {
-        "rows": rows_written,
-        "bytes": Path(job.path).stat().st_size,
-        "sha256": sha256_file(Path(job.path)),
-    }
+                rows_written += n
+                del staged, part  # drop the part (and the map of its unit) before the next one
+    return {"rows": rows_written, "bytes": sink.bytes_written, "sha256": sink.hexdigest()}

@@ -8,21 +8,24 @@ taken from config or data never escapes its root, and a stage output is addresse
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
 import re
 import subprocess
+import sys
 import unicodedata
 import urllib.parse
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 from pydantic import BaseModel, SecretBytes, SecretStr
 
 _READ_CHUNK = 1 << 20
@@ -68,11 +71,14 @@ def safe_join(root: Path, name: str, *, what: str = "name") -> Path:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
-    """Open a temp file beside `path`; on success fsync it and rename it to `path`.
+def atomic_writer(path: Path, mode: str = "wb", *, durable: bool = True) -> Iterator[IO[Any]]:
+    """Open a temp file beside `path`; on success fsync it (if `durable`) and rename it to `path`.
 
-    A crash at any moment leaves either no file or the complete file under `path`; leftover temp
-    files carry a `.tmp-` infix and are never read as outputs.
+    A crash of the process at any moment leaves either no file or the complete file under `path`;
+    leftover temp files carry a `.tmp-` infix and are never read as outputs. With
+    `durable=False` the fsync is skipped: the rename still makes the file appear whole, but a
+    crash of the machine may lose or truncate it, so such a file must be verified before it is
+    reused (staged units record a digest of each file, see `DigestSink`).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -80,16 +86,113 @@ def atomic_writer(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
         with open(tmp, mode) as handle:
             yield handle
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write `obj` as pretty, key-sorted JSON to `path` atomically."""
-    with atomic_writer(path, "w") as handle:
+def _sync_file_range() -> Callable[[int], None] | None:
+    """Linux's sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE), or None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    write = 2  # SYNC_FILE_RANGE_WRITE: start writeback of the dirty pages, do not wait
+
+    def start(fd: int) -> None:
+        call(fd, 0, 0, write)  # advisory: a failure only means the fsync waits longer
+
+    return start
+
+
+_START_WRITEBACK = _sync_file_range()
+
+
+class DigestSink:
+    """A binary sink around an open file: hashes every byte written and counts them.
+
+    With `writeback_bytes`, it also asks the kernel to start writing the file back every that
+    many bytes (Linux), so the fsync that closes a durable file waits for the tail only, instead
+    of for the whole file while its core idles (measured on the ingest shards).
+    `algorithm` is a `hashlib` name or "xxh3_128" (fast, for files that only lmpipe verifies).
+    """
+
+    def __init__(self, handle: IO[bytes], algorithm: str, writeback_bytes: int = 0) -> None:
+        self._handle = handle
+        self.algorithm = algorithm
+        self._hash: Any = xxhash.xxh3_128() if algorithm == "xxh3_128" else hashlib.new(algorithm)
+        self._start = _START_WRITEBACK if writeback_bytes > 0 else None
+        self._writeback = writeback_bytes
+        self._since_writeback = 0
+        self.bytes_written = 0
+
+    def write(self, data: Any) -> int:
+        """Write `data` (any buffer) to the file, hashing it on the way."""
+        view = memoryview(data)
+        self._hash.update(view)
+        written = self._handle.write(view)
+        self.bytes_written += view.nbytes
+        self._since_writeback += view.nbytes
+        if self._start is not None and self._since_writeback >= self._writeback:
+            self._handle.flush()
+            self._start(self._handle.fileno())
+            self._since_writeback = 0
+        return written if written is not None else view.nbytes
+
+    def flush(self) -> None:
+        """Flush the wrapped file's buffer."""
+        self._handle.flush()
+
+    def tell(self) -> int:
+        """Bytes written so far (the file was empty when wrapped)."""
+        return self.bytes_written
+
+    def writable(self) -> bool:
+        """Always true: a sink is for writing."""
+        return True
+
+    @property
+    def closed(self) -> bool:
+        """Whether the wrapped file is closed."""
+        return self._handle.closed
+
+    def hexdigest(self) -> str:
+        """The hex digest of everything written so far."""
+        return str(self._hash.hexdigest())
+
+    def entry(self) -> dict[str, Any]:
+        """What verifies the file later: its size and digest, keyed by the algorithm."""
+        return {"bytes": self.bytes_written, self.algorithm: self.hexdigest()}
+
+
+def digest_file(path: Path, algorithm: str) -> str:
+    """The hex digest of the file at `path` (as `DigestSink` computes it), read in 1 MiB chunks."""
+    digest: Any = xxhash.xxh3_128() if algorithm == "xxh3_128" else hashlib.new(algorithm)
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_READ_CHUNK):
+            digest.update(chunk)
+    return str(digest.hexdigest())
+
+
+def file_matches(path: Path, entry: dict[str, Any]) -> bool:
+    """Whether the file at `path` has the size and digest that `DigestSink.entry` recorded."""
+    algorithms = [key for key in entry if key != "bytes"]
+    if len(algorithms) != 1 or not path.is_file() or path.stat().st_size != entry.get("bytes"):
+        return False
+    return digest_file(path, algorithms[0]) == str(entry[algorithms[0]])
+
+
+def write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
+    """Write `obj` as pretty, key-sorted JSON to `path` atomically (see `atomic_writer`)."""
+    with atomic_writer(path, "w", durable=durable) as handle:
         json.dump(obj, handle, indent=2, sort_keys=True, ensure_ascii=False)
         handle.write("\n")
 
@@ -149,13 +252,20 @@ def arrow_of(values: np.ndarray) -> pa.Array:
     return pa.Array.from_buffers(arrow_type, len(values), [None, pa.py_buffer(values)])
 
 
+def repeat_string(value: str, n: int) -> pa.Array:
+    """`value` repeated `n` times as an Arrow string array, built from one buffer of repeats."""
+    data = value.encode()
+    if len(data) * n > np.iinfo(np.int32).max:
+        raise ValueError(f"repeat_string: {n} copies of {len(data)} bytes exceed a string array")
+    offsets = np.arange(n + 1, dtype=np.int32) * np.int32(len(data))
+    return pa.Array.from_buffers(
+        pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data * n)]
+    )
+
+
 def sha256_file(path: Path) -> str:
     """Return the hex sha256 of the file at `path`, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_READ_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return digest_file(path, "sha256")
 
 
 def fingerprint(obj: Any, length: int = 16) -> str:

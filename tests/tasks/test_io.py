@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import numpy as np
@@ -6,14 +7,19 @@ import pytest
 from pydantic import BaseModel, SecretStr
 
 from tasks.io import (
+    DigestSink,
     UnsafePathError,
     arrow_of,
     atomic_writer,
+    digest_file,
+    file_matches,
     fingerprint,
     numpy_of,
     public_dump,
     read_ipc_stream,
+    repeat_string,
     safe_join,
+    sha256_file,
     write_ipc_stream,
 )
 
@@ -126,3 +132,57 @@ def test_numpy_of_and_arrow_of_refuse_what_they_cannot_convert() -> None:
         arrow_of(np.array([True, False]))
     with pytest.raises(TypeError, match="1-D"):
         arrow_of(np.zeros((2, 2), np.int64))
+
+
+def test_atomic_writer_fsyncs_only_durable_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    with atomic_writer(tmp_path / "durable.bin") as handle:
+        handle.write(b"kept")
+    assert len(synced) == 1
+    with atomic_writer(tmp_path / "staged.bin", durable=False) as handle:
+        handle.write(b"scratch")
+    assert len(synced) == 1
+    assert (tmp_path / "staged.bin").read_bytes() == b"scratch"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["durable.bin", "staged.bin"]
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "xxh3_128"])
+@pytest.mark.parametrize("writeback_bytes", [0, 1000])
+def test_digest_sink_hashes_and_counts_what_reaches_the_file(
+    tmp_path: Path, algorithm: str, writeback_bytes: int
+) -> None:
+    """Through pyarrow's IPC writer, with the early writeback every 1000 bytes or never."""
+    table = pa.table({"a": np.arange(5000), "b": [f"row {i}" for i in range(5000)]})
+    target = tmp_path / "t.arrow"
+    with atomic_writer(target) as handle:
+        sink = DigestSink(handle, algorithm, writeback_bytes=writeback_bytes)
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table, max_chunksize=700)
+    assert sink.bytes_written == target.stat().st_size
+    assert sink.hexdigest() == digest_file(target, algorithm)
+    if algorithm == "sha256":
+        assert sink.hexdigest() == sha256_file(target)
+    assert read_ipc_stream(target).equals(table)
+    entry = sink.entry()
+    assert entry == {"bytes": target.stat().st_size, algorithm: sink.hexdigest()}
+    assert file_matches(target, entry)
+    data = bytearray(target.read_bytes())
+    data[-10] ^= 1
+    target.write_bytes(bytes(data))
+    assert not file_matches(target, entry)
+    target.write_bytes(bytes(data[:-1]))
+    assert not file_matches(target, entry)
+    assert not file_matches(tmp_path / "missing.arrow", entry)
+
+
+@pytest.mark.parametrize("value", ["train.jsonl", "", "dossier/ünïcode €.txt"])
+@pytest.mark.parametrize("n", [0, 1, 7])
+def test_repeat_string_equals_a_list_of_copies(value: str, n: int) -> None:
+    got = repeat_string(value, n)
+    assert got.type == pa.string()
+    assert got.to_pylist() == [value] * n
+    got.validate(full=True)
