@@ -13,16 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import shlex
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from pipelines.config import ConfigError, RunConfig, load_config
-from tasks.ray_runtime import storage_problem
+from tasks.ray_runtime import scoped_environ, storage_problem
 
 log = logging.getLogger(__name__)
 
@@ -286,20 +285,10 @@ def refuse_unshared_storage(cfg: RunConfig, address: str) -> None:
         raise SubmitError(problem)
 
 
-@contextlib.contextmanager
-def _gitignore_off() -> Iterator[None]:
+def _gitignore_off() -> contextlib.AbstractContextManager[None]:
     # Ray leaves .gitignore'd files out of a working_dir by default, and *.so is ignored:
     # the compiled tasks._textscan must travel with the code (it matches a same-image cluster).
-    key = "RAY_RUNTIME_ENV_IGNORE_GITIGNORE"
-    old = os.environ.get(key)
-    os.environ[key] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
+    return scoped_environ({"RAY_RUNTIME_ENV_IGNORE_GITIGNORE": "1"})
 
 
 def submit(

@@ -138,26 +138,18 @@ class DigestSink:
         """Write `data` (any buffer) to the file, hashing it on the way."""
         view = memoryview(data)
         self._hash.update(view)
-        written = self._handle.write(view)
+        self._handle.write(view)  # a buffered file in blocking mode writes it all
         self.bytes_written += view.nbytes
         self._since_writeback += view.nbytes
         if self._start is not None and self._since_writeback >= self._writeback:
             self._handle.flush()
             self._start(self._handle.fileno())
             self._since_writeback = 0
-        return written if written is not None else view.nbytes
+        return view.nbytes
 
     def flush(self) -> None:
         """Flush the wrapped file's buffer."""
         self._handle.flush()
-
-    def tell(self) -> int:
-        """Bytes written so far (the file was empty when wrapped)."""
-        return self.bytes_written
-
-    def writable(self) -> bool:
-        """Always true: a sink is for writing."""
-        return True
 
     @property
     def closed(self) -> bool:

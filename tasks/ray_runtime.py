@@ -163,7 +163,7 @@ def ensure_ray(cfg: RayConfig) -> None:
         # while `ray.init` starts it, not as a job runtime_env: Ray prestarts its workers
         # without the job's runtime_env, could not use them for its tasks, and would start
         # a second set (measured: 2 idle workers of 80 MiB each, and a slower first task).
-        with _environment(env):
+        with scoped_environ(env):
             ray.init(
                 num_cpus=cfg.num_cpus or cfg.num_workers + 2,
                 object_store_memory=cfg.object_store_mb << 20,
@@ -174,7 +174,7 @@ def ensure_ray(cfg: RayConfig) -> None:
 
 
 @contextlib.contextmanager
-def _environment(env: dict[str, str]) -> Iterator[None]:
+def scoped_environ(env: dict[str, str]) -> Iterator[None]:
     """Set `env` in this process for the duration of the block, then restore what was there."""
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)

@@ -4,9 +4,9 @@ import pytest
 
 from tasks.ray_runtime import (
     RayConfig,
-    _environment,
     check_storage,
     is_remote_uri,
+    scoped_environ,
     storage_problem,
 )
 
@@ -85,7 +85,7 @@ def test_environment_block_restores_set_and_absent_variables(
 
     monkeypatch.setenv("LMPIPE_TEST_SET", "before")
     monkeypatch.delenv("LMPIPE_TEST_ABSENT", raising=False)
-    with _environment({"LMPIPE_TEST_SET": "during", "LMPIPE_TEST_ABSENT": "during"}):
+    with scoped_environ({"LMPIPE_TEST_SET": "during", "LMPIPE_TEST_ABSENT": "during"}):
         assert os.environ["LMPIPE_TEST_SET"] == "during"
         assert os.environ["LMPIPE_TEST_ABSENT"] == "during"
     assert os.environ["LMPIPE_TEST_SET"] == "before"
