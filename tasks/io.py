@@ -116,6 +116,11 @@ def _sync_file_range() -> Callable[[int], None] | None:
 _START_WRITEBACK = _sync_file_range()
 
 
+def _hasher(algorithm: str) -> Any:
+    """A fresh hash object: "xxh3_128" (xxhash) or any `hashlib` algorithm name."""
+    return xxhash.xxh3_128() if algorithm == "xxh3_128" else hashlib.new(algorithm)
+
+
 class DigestSink:
     """A binary sink around an open file: hashes every byte written and counts them.
 
@@ -128,7 +133,7 @@ class DigestSink:
     def __init__(self, handle: IO[bytes], algorithm: str, writeback_bytes: int = 0) -> None:
         self._handle = handle
         self.algorithm = algorithm
-        self._hash: Any = xxhash.xxh3_128() if algorithm == "xxh3_128" else hashlib.new(algorithm)
+        self._hash = _hasher(algorithm)
         self._start = _START_WRITEBACK if writeback_bytes > 0 else None
         self._writeback = writeback_bytes
         self._since_writeback = 0
@@ -167,7 +172,7 @@ class DigestSink:
 
 def digest_file(path: Path, algorithm: str) -> str:
     """The hex digest of the file at `path` (as `DigestSink` computes it), read in 1 MiB chunks."""
-    digest: Any = xxhash.xxh3_128() if algorithm == "xxh3_128" else hashlib.new(algorithm)
+    digest = _hasher(algorithm)
     with open(path, "rb") as handle:
         while chunk := handle.read(_READ_CHUNK):
             digest.update(chunk)
