@@ -80,7 +80,9 @@ class ScaleConfig(BaseModel):
         2, ge=-1, description="Worker-group restarts from the latest checkpoint (-1: no limit)."
     )
     backend: Literal["gloo", "nccl"] | None = Field(
-        None, description="torch.distributed backend; default nccl on GPU, gloo on CPU."
+        None,
+        description="torch.distributed backend; default nccl on GPU, gloo on CPU. nccl runs "
+        "with gloo beside it for CPU tensors (cpu:gloo,cuda:nccl).",
     )
     report_poll_s: float = Field(
         0.2,

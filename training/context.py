@@ -12,6 +12,19 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+#: NCCL moves CUDA tensors only. The loops' small reductions of Python numbers (step and
+#: evaluation sums, fine-tuning statistics) are CPU tensors, so a GPU group carries gloo too.
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def torch_backend(backend: str | None, use_gpu: bool) -> str:
+    """The process-group backend for `train.scale.backend` (None: nccl on GPU, gloo on CPU).
+
+    nccl becomes `GPU_BACKEND`: nccl for CUDA tensors, gloo for CPU ones.
+    """
+    choice = backend or ("nccl" if use_gpu else "gloo")
+    return GPU_BACKEND if choice == "nccl" else choice
+
 
 class WorkerContext(Protocol):
     """What the loop needs from the process that runs it."""
@@ -81,7 +94,7 @@ class LocalContext:
 
 
 def init_single_process() -> None:
-    """Initialise a one-rank gloo/nccl process group for a loop run without Ray."""
+    """Initialise a one-rank process group for a loop run without Ray (`torch_backend`)."""
     import os
     import socket
 
@@ -100,4 +113,6 @@ def init_single_process() -> None:
         os.environ.setdefault(key, value)
     import torch
 
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)  # what Ray Train does for its GPU workers
+    dist.init_process_group(torch_backend(None, torch.cuda.is_available()))

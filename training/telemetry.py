@@ -1,8 +1,9 @@
 """Training telemetry: per-step and evaluation metrics, throughput, MFU, the loss-curve PNG.
 
 Every rank measures; the sums are all-reduced; only rank 0 logs (to MLflow through the
-`Tracker` protocol). MFU = achieved model FLOP/s (`flops_per_token` x tokens/s) over the
-measured matmul peak of this machine in the training precision, both per worker.
+`Tracker` protocol). MFU = achieved model FLOP/s (`flops_per_token` x tokens/s) over the peak
+of one worker's device in the training precision (`peak_flops`): a CPU's measured matmul peak,
+a known GPU's datasheet peak, another GPU's measured one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _PEAK_CACHE: dict[torch.dtype, float] = {}
+
+#: Dense 16-bit tensor-core peaks (FLOP/s, no structured sparsity) of NVIDIA's datasheets, by a
+#: substring of `torch.cuda.get_device_name()`, first match wins. None: the variant's clocks
+#: differ (NVL), so its peak is measured. MFU is conventionally quoted against these figures
+#: (PaLM, Megatron), not against what a matmul reaches (about 80% of them on an H200).
+DATASHEET_PEAKS: tuple[tuple[str, float | None], ...] = (
+    ("NVL", None),
+    ("H100 PCIe", 756e12),
+    ("H100", 989.4e12),
+    ("H200", 989.4e12),
+    ("A100", 312e12),
+)
 
 
 class StepMeter:
@@ -75,6 +88,50 @@ def measure_peak_flops(dtype: torch.dtype, seconds: float = 0.5) -> float:
     return best
 
 
+def datasheet_peak(device_name: str, dtype: torch.dtype) -> float | None:
+    """The datasheet's dense peak of the named GPU in `dtype` (bf16, fp16), None if not known."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None  # fp32 matmuls run as fp32 or TF32 depending on torch's settings
+    for key, peak in DATASHEET_PEAKS:
+        if key in device_name:
+            return peak
+    return None
+
+
+def measure_cuda_peak_flops(dtype: torch.dtype, device: torch.device, n: int = 8192) -> float:
+    """The current GPU's dense matmul FLOP/s in `dtype`: n x n x n products, best of five."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(3):  # warm-up: clocks and cuBLAS's kernel choice
+        torch.mm(a, b)
+    best = 0.0
+    for _ in range(5):
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        for _ in range(4):
+            torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        best = max(best, 4 * 2 * n**3 / (start.elapsed_time(end) / 1e3))
+    return best
+
+
+def peak_flops(dtype: torch.dtype, use_gpu: bool) -> tuple[float, str]:
+    """MFU's denominator for one worker, and where it comes from (`datasheet` or `measured`).
+
+    On a GPU: the datasheet peak of a known model (`DATASHEET_PEAKS`), else a measured matmul
+    peak. On a CPU: the measured matmul peak of this process's threads.
+    """
+    if not use_gpu:
+        return measure_peak_flops(dtype), "measured"
+    device = torch.device("cuda", torch.cuda.current_device())
+    known = datasheet_peak(torch.cuda.get_device_name(device), dtype)
+    if known is not None:
+        return known, "datasheet"
+    return measure_cuda_peak_flops(dtype, device), "measured"
+
+
 class Telemetry:
     """Rank 0's logger of step and evaluation metrics; other ranks only join the reductions."""
 
@@ -85,7 +142,7 @@ class Telemetry:
         flops_per_token: float,
         flops_at: Callable[[int], float] | None = None,
     ) -> None:
-        """Attach to the run's tracker (rank 0) and measure the matmul peak.
+        """Attach to the run's tracker (rank 0) and find the peak MFU divides by (`peak_flops`).
 
         `flops_per_token` is at the examples' length; `flops_at(seq_len)` at a step's shorter
         length under `train.length_schedule` (attention FLOPs per token grow with the length).
@@ -98,7 +155,9 @@ class Telemetry:
         self.flops_per_token = flops_per_token
         self.flops_at = flops_at
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-        self.peak = measure_peak_flops(dtype[cfg.precision]) if not cfg.scale.use_gpu else 0.0
+        self.peak, source = peak_flops(dtype[cfg.precision], cfg.scale.use_gpu)
+        if ctx.rank == 0:
+            log.info("MFU against a %s peak of %.1f TFLOP/s per worker", source, self.peak / 1e12)
         self.history: list[tuple[int, float]] = []
         self.steps_file = ctx.run_dir / "steps.jsonl"
         self.eval_history: list[tuple[int, float]] = []

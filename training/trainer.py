@@ -20,6 +20,7 @@ from tasks.io import fingerprint, sha256_file, source_hash
 from tasks.ray_runtime import RayConfig, ensure_ray
 from training import checkpoint as ckpt
 from training.config import ScaleConfig, TrainConfig
+from training.context import torch_backend
 from training.data import read_manifest
 from training.faults import FaultPlan
 from training.loop import WorkerJob, train_loop_per_worker
@@ -181,7 +182,7 @@ def fit_on_ray(
                 **({"GPU": 1} if scale.use_gpu else {}),
             },
         ),
-        torch_config=TorchConfig(backend=scale.backend or ("nccl" if scale.use_gpu else "gloo")),
+        torch_config=TorchConfig(backend=torch_backend(scale.backend, scale.use_gpu)),
         run_config=RunConfig(
             name=run_dir.name,
             storage_path=str(run_dir.parent),

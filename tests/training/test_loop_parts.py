@@ -219,6 +219,16 @@ def test_report_poll_is_what_ray_train_passes_to_its_controller(
         ScaleConfig(report_poll_s=0)
 
 
+def test_a_gpu_group_carries_gloo_for_the_loops_cpu_reductions() -> None:
+    from training.context import GPU_BACKEND, torch_backend
+
+    assert GPU_BACKEND == "cpu:gloo,cuda:nccl"
+    assert torch_backend(None, use_gpu=False) == "gloo"
+    assert torch_backend(None, use_gpu=True) == GPU_BACKEND
+    assert torch_backend("nccl", use_gpu=True) == GPU_BACKEND  # never NCCL alone
+    assert torch_backend("gloo", use_gpu=True) == "gloo"
+
+
 def test_fp16_without_a_gpu_is_refused() -> None:
     with pytest.raises(ValueError, match="fp16 needs a GPU"):
         TrainConfig(precision="fp16")
