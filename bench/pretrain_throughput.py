@@ -192,24 +192,13 @@ def resolved_precision(spec: dict[str, Any]) -> str:
 # -- set-up (not measured) ------------------------------------------------------------------
 
 
-def prepare_examples(work: Path) -> dict[str, Any]:
-    """Ingest the real texts, train the WordPiece tokenizer, encode, cut BERT examples.
-
-    Every stage reuses a complete output with the same fingerprint, so a rerun is quick.
-    """
-    from tasks.encode import EncodeConfig
-    from tasks.encode_run import run_encode
-    from tasks.examples import ExamplesConfig
-    from tasks.examples_run import run_examples
+def ingest_shared_texts(ws: Path, ray_cfg: Any) -> Any:
+    """Ingest the real texts of ../shared/data (a book is one document) into workspace `ws`."""
     from tasks.ingest import IngestConfig
     from tasks.ingest_run import run_ingest
-    from tasks.ray_runtime import RayConfig
-    from tasks.tokenizer import TokenizerConfig
-    from tasks.tokenizer_run import run_tokenizer
 
-    ray_cfg, ws = RayConfig(num_workers=THREADS), work / "ws"
     books = {"format": "txt", "txt_mode": "file"}  # a book is one document: full 128-token rows
-    ingest = run_ingest(
+    return run_ingest(
         IngestConfig.model_validate(
             {
                 "sources": [
@@ -223,6 +212,23 @@ def prepare_examples(work: Path) -> dict[str, Any]:
         ray_cfg,
         ws,
     )
+
+
+def prepare_examples(work: Path) -> dict[str, Any]:
+    """Ingest the real texts, train the WordPiece tokenizer, encode, cut BERT examples.
+
+    Every stage reuses a complete output with the same fingerprint, so a rerun is quick.
+    """
+    from tasks.encode import EncodeConfig
+    from tasks.encode_run import run_encode
+    from tasks.examples import ExamplesConfig
+    from tasks.examples_run import run_examples
+    from tasks.ray_runtime import RayConfig
+    from tasks.tokenizer import TokenizerConfig
+    from tasks.tokenizer_run import run_tokenizer
+
+    ray_cfg, ws = RayConfig(num_workers=THREADS), work / "ws"
+    ingest = ingest_shared_texts(ws, ray_cfg)
     # min_frequency 1: the corpus (4.4 M characters) reaches 28,573 tokens at the default 2.
     tok_cfg = TokenizerConfig(family="wordpiece", vocab_size=VOCAB, min_frequency=1)
     tokenizer = run_tokenizer(tok_cfg, ingest.path, ws)

@@ -1,0 +1,542 @@
+"""GPU throughput and MFU of lmpipe's training loop without Ray: BERT-base and GPT-2 124M (issue 5).
+
+Usage:
+  python bench/pretrain_gpu.py prepare --out DIR [--wheels]      # here: the CPU machine
+  python bench/pretrain_gpu.py run --data DIR --out OUT           # the GPU machine
+      [--only NAME,...] [--warmup 10] [--steps 40] [--device cuda|cpu] [--size SIZE]
+      [--batch N]
+
+Two steps on two machines, since the GPU machine lacks Ray, the shared data and part of the
+stack (docs/benchmarks.md, "GPU"):
+
+- `prepare` runs the real stages (ingest, tokenizer, encode, examples; Ray locally) over the
+  texts of ../shared/data into BERT examples of 128 tokens (WordPiece, 30,522 tokens: the same
+  set as bench/pretrain_throughput.py) and GPT-2 blocks of 1,024 tokens (byte-level BPE). It
+  copies each example set and its tokenizer into DIR (about 20 MB). With `--wheels` it adds the
+  wheels of the packages the GPU image lacks or has at another version (`WHEELS`: pydantic,
+  DeepSpeed, transformers at this venv's versions), for Python 3.12 on x86-64.
+- `run` trains each setting in its own subprocess and writes `pretrain_gpu.json` and
+  `pretrain_gpu.md` to OUT:
+  - `lmpipe-*`: lmpipe's loop itself (`training.loop.Worker` with `LocalContext`: the memory-
+    mapped example shards, the seeded global order, the DeepSpeed engine at ZeRO 0, bf16, one
+    NCCL+gloo rank, no Ray), eager or with `torch.compile` (`train.compile`);
+  - `plain-*`: a plain PyTorch loop on the same model, loss (`pretraining_loss`, sparse MLM) and
+    batches, already on the GPU: fused AdamW, bf16 autocast, clipping, nothing else. It is the
+    ceiling the loop's own work (batch building, guard, telemetry, DeepSpeed) is measured
+    against.
+
+Models: lmpipe's `base` size of `bert` (BertForPreTraining, MLM + NSP, 110 M parameters) at
+128 tokens, batch 256; of `gpt2` (GPT2LMHeadModel, 124 M) at 1,024 tokens, batch 32, with the
+published vocabulary of 50,257 rows (`model.overrides`; the BPE trained on the shared texts is
+smaller, and the vocabulary projection is a large part of GPT-2's FLOPs). Counted: real input
+tokens of the timed steps. Timed: the steps after the warm-up (lmpipe: the `step_time_s` the
+loop logs; plain: CUDA-synchronised step ends). MFU = `training.flops.flops_per_token` x tokens/s
+/ the GPU's dense bf16 peak: the datasheet's (`training.telemetry.DATASHEET_PEAKS`, 989.4
+TFLOP/s for an H100 SXM or H200) and, in a second column, the matmul peak measured there.
+Targets (issue 5): MFU >= 45% for GPT-2 and >= 40% for BERT-base, against the datasheet peak.
+
+`--device cpu --size tiny` runs the same code on a CPU (tests/bench/test_pretrain_gpu.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+SEED = 0
+GPT2_BLOCK = 1024
+GPT2_VOCAB = 50_257  # GPT-2's published vocabulary
+CHILD_TIMEOUT_S = 480
+
+#: model -> lmpipe family, size, objective, examples set, batch, MFU target (datasheet peak).
+MODELS: dict[str, dict[str, Any]] = {
+    "bert-base": {
+        "family": "bert",
+        "size": "base",
+        "objective": "bert",
+        "data": "bert",
+        "batch": 256,
+        "overrides": {},
+        "target": 0.40,
+    },
+    "gpt2-124m": {
+        "family": "gpt2",
+        "size": "base",
+        "objective": "causal",
+        "data": "gpt2",
+        "batch": 32,
+        "overrides": {"vocab_size": GPT2_VOCAB},
+        "target": 0.45,
+    },
+}
+#: In the order they run, the most wanted first (a device's time is short).
+SETTINGS: dict[str, dict[str, Any]] = {
+    f"{loop}-{model}{'-compile' if compile_ else ''}": {
+        "loop": loop,
+        "model": model,
+        "compile": compile_,
+    }
+    for compile_ in (True, False)
+    for loop in ("lmpipe", "plain")
+    for model in MODELS
+}
+#: Packages to carry as wheels (the GPU image has none of pydantic and DeepSpeed, and an older
+#: transformers); their dependencies are in the image (docs/benchmarks.md, "GPU").
+WHEELS = (
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "typing-extensions",
+    "hjson",
+    "transformers",
+)
+
+
+# -- prepare (the CPU machine) --------------------------------------------------------------
+
+
+def prepare_gpt2_blocks(work: Path) -> dict[str, Any]:
+    """Byte-level BPE on the shared texts, then causal blocks of 1,024 tokens."""
+    import pretrain_throughput as cpu_bench
+
+    from tasks.encode import EncodeConfig
+    from tasks.encode_run import run_encode
+    from tasks.examples import ExamplesConfig
+    from tasks.examples_run import run_examples
+    from tasks.ray_runtime import RayConfig
+    from tasks.tokenizer import TokenizerConfig
+    from tasks.tokenizer_run import run_tokenizer
+
+    ray_cfg, ws = RayConfig(num_workers=cpu_bench.THREADS), work / "ws"
+    ingest = cpu_bench.ingest_shared_texts(ws, ray_cfg)
+    tok_cfg = TokenizerConfig(family="bpe", bpe_style="gpt2", vocab_size=GPT2_VOCAB)
+    tokenizer = run_tokenizer(tok_cfg, ingest.path, ws)
+    encode = run_encode(EncodeConfig(), ray_cfg, ingest.path, tokenizer.path, ws)
+    cfg = ExamplesConfig(objective="causal", block_size=GPT2_BLOCK)
+    examples = run_examples(cfg, SEED, ray_cfg, encode.path, tokenizer.path, ws)
+    import ray
+
+    ray.shutdown()
+    return {
+        "examples_dir": str(examples.path),
+        "tokenizer_dir": str(tokenizer.path),
+        "vocab_size": tokenizer.manifest["metrics"]["vocab_size"],
+        "train_examples": examples.manifest["splits"]["train"]["rows"],
+    }
+
+
+def download_wheels(dest: Path) -> list[str]:
+    """This venv's versions of `WHEELS` for CPython 3.12 on x86-64, and a DeepSpeed wheel."""
+    from importlib.metadata import version
+
+    dest.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip"]
+    platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + [
+        "--platform=manylinux2014_x86_64"
+    ]
+    pins = [f"{name}=={version(name)}" for name in WHEELS]
+    download = ["download", "--no-deps", "--only-binary=:all:", "--python-version=3.12"]
+    subprocess.run(
+        [*pip, *download, "--implementation=cp", *platforms, "-d", str(dest), *pins], check=True
+    )
+    # DeepSpeed publishes a source archive only. Built here without its optional C++/CUDA ops
+    # (lmpipe uses torch's fused AdamW), the wheel is pure Python.
+    deepspeed = f"deepspeed=={version('deepspeed')}"
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dest), deepspeed],
+        check=True,
+        env=os.environ | {"DS_BUILD_OPS": "0"},
+    )
+    return sorted(path.name for path in dest.glob("*.whl"))
+
+
+def prepare(out: Path, work: Path, wheels: bool) -> dict[str, Any]:
+    """Build both example sets into `work` and copy what the GPU run reads into `out`."""
+    import pretrain_throughput as cpu_bench
+
+    built = {"bert": cpu_bench.prepare_examples(work), "gpt2": prepare_gpt2_blocks(work)}
+    for name, info in built.items():
+        for part in ("examples", "tokenizer"):
+            target = out / name / part
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(info[f"{part}_dir"], target)
+    summary: dict[str, Any] = {"sets": built}
+    if wheels:
+        summary["wheels"] = download_wheels(out / "wheels")
+    (out / "prepared.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+# -- the settings, each in its own subprocess -----------------------------------------------
+
+
+def model_section(spec: dict[str, Any]) -> dict[str, Any]:
+    """The `train.model` section of a setting (`--size` replaces the model's own size)."""
+    model = MODELS[spec["model"]]
+    return {
+        "family": model["family"],
+        "size": spec.get("size") or model["size"],
+        "overrides": model["overrides"],
+    }
+
+
+def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run lmpipe's loop (`Worker.run`) here, on one rank without Ray; its logged steps."""
+    import torch
+
+    from training.config import TrainConfig
+    from training.context import LocalContext, init_single_process
+    from training.loop import Worker, WorkerJob
+
+    run_dir, batch = Path(spec["run_dir"]), spec["batch"]
+    gpu = spec["device"] == "cuda"
+    threads = spec["threads"]
+    cfg = TrainConfig.model_validate(
+        {
+            "model": model_section(spec),
+            "max_steps": spec["warmup"] + spec["steps"],
+            "global_batch_size": batch,
+            "precision": "bf16",
+            "zero_stage": 0,
+            "compile": spec["compile"],
+            # Evaluation at the start and end, one checkpoint at the end: outside the window.
+            "eval": {"every_steps": 1 << 20, "max_samples": batch},
+            "checkpoint": {"every_steps": 1 << 20, "keep_last": 1, "storage_path": str(run_dir)},
+            "scale": {
+                "num_workers": 1,
+                "use_gpu": gpu,
+                "cpus_per_worker": threads,
+                "threads_per_worker": threads,
+            },
+        }
+    )
+    job = WorkerJob(
+        train=cfg,
+        seed=SEED,
+        examples_dir=Path(spec["examples_dir"]),
+        tokenizer_dir=Path(spec["tokenizer_dir"]),
+        config_hash=f"bench-gpu-{spec['name']}",
+    )
+    init_single_process()
+    torch.set_num_threads(threads)
+    worker = Worker(job, LocalContext(run_dir))
+    worker.run()
+    rows: dict[int, dict[str, Any]] = {}
+    for line in (run_dir / "steps.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = row
+    ordered = [rows[step] for step in sorted(rows)]
+    return {
+        "step_s": [row["step_time_s"] for row in ordered],
+        "tokens": [row["tokens_per_s"] * row["step_time_s"] for row in ordered],
+        "losses": [row["loss"] for row in ordered],
+        "flops_per_token": worker.telemetry.flops_per_token,
+        "parameters": sum(p.numel() for p in worker.engine.module.parameters()),
+        **_memory(gpu),
+    }
+
+
+def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
+    """A plain loop over the same model, loss and batches, all on the device beforehand."""
+    import torch
+
+    from training.data import BatchBuilder, Cursor, ExampleShards, GlobalOrder, read_manifest
+    from training.deepspeed import param_groups
+    from training.flops import flops_per_token
+    from training.forward import pretraining_loss
+    from training.models import ModelConfig, build_model
+
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    examples = Path(spec["examples_dir"])
+    manifest = read_manifest(examples)
+    objective = manifest["objective"]
+    length = manifest["config"]["block_size" if objective == "causal" else "max_seq_length"]
+    train = ExampleShards(examples, "train", verify=False)
+    order = GlobalOrder(len(train), SEED, spec["batch"])
+    build = BatchBuilder(objective, None, False, torch.bfloat16)
+    total = spec["warmup"] + spec["steps"]
+    batches, cursor = [], Cursor()
+    for _ in range(total):
+        epoch, indices, cursor = order.next_batch(cursor)
+        batch = build(train.take(indices), indices, epoch)
+        batches.append({k: v.to(device) for k, v in batch.items()})
+    torch.manual_seed(SEED)
+    section = ModelConfig.model_validate(model_section(spec))
+    specials = manifest["specials"]
+    model = build_model(section, objective, specials["vocab_size"], specials, length)
+    model = model.to(device).train()
+    opt = torch.optim.AdamW(param_groups(model.named_parameters(), 0.01), lr=1e-4, fused=True)
+    if spec["compile"]:
+        for child in model.children():  # as the loop compiles (`train.compile`)
+            child.compile()
+    step_s, losses = [], []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    last = time.perf_counter()
+    for batch in batches:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = pretraining_loss(model, objective, batch, True)
+        out.loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        now = time.perf_counter()
+        step_s.append(now - last)
+        losses.append(float(out.loss.detach()))  # after the step's time: nothing is queued
+        last = time.perf_counter()
+    mlm = manifest["config"]["mask"]["masked_lm_prob"]
+    return {
+        "step_s": step_s,
+        "tokens": [float(_tokens(batch)) for batch in batches],
+        "losses": losses,
+        "flops_per_token": flops_per_token(model.config, length, objective, mlm_probability=mlm),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        **_memory(device.type == "cuda"),
+    }
+
+
+def _tokens(batch: dict[str, Any]) -> Any:
+    """Real input tokens of a batch: its attention mask's sum, else every position."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum().item()
+    return batch["input_ids"].numel()
+
+
+def _memory(gpu: bool) -> dict[str, Any]:
+    if not gpu:
+        return {}
+    import torch
+
+    return {"max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def child_device(spec: dict[str, Any]) -> dict[str, Any]:
+    """The device, its datasheet and measured bf16 peaks, and the versions in use."""
+    import torch
+    import transformers
+
+    from training.telemetry import measure_cuda_peak_flops, measure_peak_flops, peak_flops
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        import deepspeed
+
+        info["deepspeed"] = deepspeed.__version__
+    except ImportError as err:
+        info["deepspeed"] = f"missing ({err})"
+    gpu = spec["device"] == "cuda"
+    peak, source = peak_flops(torch.bfloat16, gpu)
+    info |= {"peak_flops": peak, "peak_source": source}
+    if gpu:
+        device = torch.device("cuda", 0)
+        info |= {
+            "gpu": torch.cuda.get_device_name(device),
+            "cuda": torch.version.cuda,
+            "measured_peak_flops": measure_cuda_peak_flops(torch.bfloat16, device),
+        }
+    else:
+        info["measured_peak_flops"] = measure_peak_flops(torch.bfloat16)
+    return info
+
+
+CHILDREN = {"lmpipe": child_lmpipe, "plain": child_plain, "device": child_device}
+
+
+def run_child(spec: dict[str, Any]) -> None:
+    """Subprocess entry: run one setting and write its result JSON."""
+    result = CHILDREN[spec["loop"]](spec)
+    Path(spec["result"]).write_text(json.dumps(result))
+
+
+# -- the driver -----------------------------------------------------------------------------
+
+
+def launch(spec: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """Run one child in a fresh subprocess; its result, or its error with the log's tail."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    spec = spec | {"run_dir": str(run_dir), "result": str(run_dir / "result.json")}
+    started = time.perf_counter()
+    with open(run_dir / "log.txt", "w") as log:
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", json.dumps(spec)],
+                env=os.environ | {"TOKENIZERS_PARALLELISM": "false"},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=CHILD_TIMEOUT_S,
+                check=False,
+            )
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+    wall = {"wall_s": round(time.perf_counter() - started, 1)}
+    if code != 0:
+        tail = (run_dir / "log.txt").read_text(errors="replace").splitlines()[-25:]
+        return wall | {"error": f"exit {code}: " + "\n".join(tail)}
+    return wall | json.loads(Path(spec["result"]).read_text())
+
+
+def summarize(
+    raw: dict[str, Any], warmup: int, peak: float, measured_peak: float, target: float
+) -> dict[str, Any]:
+    """tokens/s and MFU over the steps after `warmup`; the median step; the loss."""
+    if "error" in raw:
+        return {"error": raw["error"]}
+    step_s, tokens = raw["step_s"][warmup:], raw["tokens"][warmup:]
+    if not step_s:
+        return {"error": f"{len(raw['step_s'])} steps, none after {warmup} of warm-up"}
+    tokens_s = sum(tokens) / sum(step_s)
+    achieved = raw["flops_per_token"] * tokens_s
+    return {
+        "tokens_per_s": tokens_s,
+        "median_step_s": statistics.median(step_s),
+        "max_step_s": max(step_s),
+        "mfu": achieved / peak,
+        "mfu_of_measured_peak": achieved / measured_peak,
+        "target": target,
+        "met": achieved / peak >= target,
+        "flops_per_token": raw["flops_per_token"],
+        "parameters": raw["parameters"],
+        "max_memory_gib": raw.get("max_memory_gib"),
+        "first_loss": raw["losses"][0],
+        "last_loss": raw["losses"][-1],
+        "timed_steps": len(step_s),
+        "wall_s": raw.get("wall_s"),
+    }
+
+
+def table(rows: dict[str, dict[str, Any]], device: dict[str, Any]) -> str:
+    """The Markdown table of docs/benchmarks.md."""
+    out = [
+        "| setting | tokens/s | median step (s) | MFU (datasheet) | MFU (measured peak) "
+        "| target | peak memory (GiB) | loss first → last |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, row in rows.items():
+        if "error" in row:
+            first = row["error"].splitlines()[0]
+            out.append(f"| {name} | failed: {first} | | | | | | |")
+            continue
+        memory = row["max_memory_gib"]
+        out.append(
+            f"| {name} | {row['tokens_per_s']:,.0f} | {row['median_step_s']:.4f} "
+            f"| {row['mfu']:.1%} | {row['mfu_of_measured_peak']:.1%} | {row['target']:.0%} "
+            f"| {'' if memory is None else f'{memory:.1f}'} "
+            f"| {row['first_loss']:.3f} → {row['last_loss']:.3f} |"
+        )
+    out.append("")
+    out.append(
+        f"Device: {device.get('gpu', 'CPU')}; peak {device['peak_flops'] / 1e12:.1f} TFLOP/s "
+        f"({device['peak_source']}), measured {device['measured_peak_flops'] / 1e12:.1f}; "
+        f"Python {device['python']}, torch {device['torch']}, transformers "
+        f"{device['transformers']}, deepspeed {device['deepspeed']}."
+    )
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the chosen settings one after the other; write and print the results."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.only.split(",") if args.only else list(SETTINGS)
+    unknown = [name for name in names if name not in SETTINGS]
+    if unknown:
+        raise SystemExit(f"unknown setting(s) {unknown}; known: {sorted(SETTINGS)}")
+    data = Path(args.data).resolve()
+    base = {
+        "device": args.device,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "threads": args.threads,
+        "size": args.size,
+    }
+    work = out / "runs"
+    device = launch(base | {"loop": "device", "name": "device"}, work / "device")
+    if "error" in device:
+        raise SystemExit(f"the device check failed:\n{device['error']}")
+    raw: dict[str, Any] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for name in names:
+        setting = SETTINGS[name]
+        model = MODELS[setting["model"]]
+        spec = (
+            base
+            | setting
+            | {
+                "name": name,
+                "batch": args.batch or model["batch"],
+                "examples_dir": str(data / model["data"] / "examples"),
+                "tokenizer_dir": str(data / model["data"] / "tokenizer"),
+            }
+        )
+        raw[name] = launch(spec, work / name)
+        rows[name] = summarize(
+            raw[name],
+            args.warmup,
+            device["peak_flops"],
+            device["measured_peak_flops"],
+            model["target"],
+        )
+        print(name, json.dumps(rows[name]), flush=True)
+        # After every setting: a run stopped at the device's time limit keeps what it measured.
+        report = {"command": sys.argv, "device": device, "rows": rows, "raw": raw}
+        (out / "pretrain_gpu.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "pretrain_gpu.md").write_text(table(rows, device) + "\n")
+    print(table(rows, device))
+    return {"command": sys.argv, "device": device, "rows": rows, "raw": raw}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: `prepare`, `run`, or a child's `--child SPEC`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        run_child(json.loads(argv[1]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="Build the example sets (and wheels) to carry.")
+    prep.add_argument("--out", required=True)
+    prep.add_argument("--work", default=str(ROOT / "bench" / "results" / "pretrain_gpu_work"))
+    prep.add_argument("--wheels", action="store_true", help="Also fetch the wheels to carry.")
+    go = sub.add_parser("run", help="Train every setting and report tokens/s and MFU.")
+    go.add_argument("--data", required=True, help="What `prepare --out` wrote.")
+    go.add_argument("--out", required=True)
+    go.add_argument("--only", help=f"Comma-separated settings of {sorted(SETTINGS)}.")
+    go.add_argument("--warmup", type=int, default=10, help="Untimed steps first.")
+    go.add_argument("--steps", type=int, default=40, help="Timed steps.")
+    go.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    go.add_argument("--size", help="Another lmpipe size for both models (tiny: a CPU check).")
+    go.add_argument("--batch", type=int, help="Global batch instead of each model's own.")
+    go.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1))
+    args = parser.parse_args(argv)
+    if args.command == "prepare":
+        summary = prepare(Path(args.out), Path(args.work), args.wheels)
+        print(json.dumps(summary, indent=1))
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
