@@ -465,6 +465,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"unknown setting(s) {unknown}; known: {sorted(SETTINGS)}")
     data = Path(args.data).resolve()
+    for model in {SETTINGS[name]["model"] for name in names}:
+        manifest = data / MODELS[model]["data"] / "examples" / "manifest.json"
+        if not manifest.is_file():
+            raise SystemExit(f"{manifest}: missing; run `prepare --out {args.data}` first")
+        objective = json.loads(manifest.read_text())["objective"]
+        if objective != MODELS[model]["objective"]:
+            wanted = MODELS[model]["objective"]
+            raise SystemExit(f"{manifest}: objective {objective!r}; {model} trains on {wanted!r}")
     base = {
         "device": args.device,
         "warmup": args.warmup,

@@ -113,6 +113,6 @@ def init_single_process() -> None:
         os.environ.setdefault(key, value)
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)  # what Ray Train does for its GPU workers
+    if torch.cuda.is_available():  # as Ray Train does for its GPU workers
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(torch_backend(None, torch.cuda.is_available()))
