@@ -4,7 +4,7 @@ Usage:
   python bench/pretrain_gpu.py prepare --out DIR [--wheels]      # here: the CPU machine
   python bench/pretrain_gpu.py run --data DIR --out OUT           # the GPU machine
       [--only NAME,...] [--warmup 10] [--steps 40] [--device cuda|cpu] [--size SIZE]
-      [--batch N]
+      [--batch N] [--work DIR]
 
 Two steps on two machines, since the GPU machine lacks Ray, the shared data and part of the
 stack (docs/benchmarks.md, "GPU"):
@@ -15,8 +15,8 @@ stack (docs/benchmarks.md, "GPU"):
   copies each example set and its tokenizer into DIR (about 20 MB). With `--wheels` it adds the
   wheels of the packages the GPU image lacks or has at another version (`WHEELS`: pydantic,
   DeepSpeed, transformers at this venv's versions), for Python 3.12 on x86-64.
-- `run` trains each setting in its own subprocess and writes `pretrain_gpu.json` and
-  `pretrain_gpu.md` to OUT:
+- `run` trains each setting in its own subprocess (run directories under `--work`) and
+  writes `pretrain_gpu.json` and `pretrain_gpu.md` to OUT:
   - `lmpipe-*`: lmpipe's loop itself (`training.loop.Worker` with `LocalContext`: the memory-
     mapped example shards, the seeded global order, the DeepSpeed engine at ZeRO 0, bf16, one
     NCCL+gloo rank, no Ray), eager or with `torch.compile` (`train.compile`);
@@ -395,7 +395,11 @@ def launch(spec: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     if code != 0:
         tail = (run_dir / "log.txt").read_text(errors="replace").splitlines()[-25:]
         return wall | {"error": f"exit {code}: " + "\n".join(tail)}
-    return wall | json.loads(Path(spec["result"]).read_text())
+    result = json.loads(Path(spec["result"]).read_text())
+    for path in run_dir.iterdir():  # the checkpoint (GBs at base size); logs and results stay
+        if path.is_dir():
+            shutil.rmtree(path)
+    return wall | result
 
 
 def summarize(
@@ -480,7 +484,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads,
         "size": args.size,
     }
-    work = out / "runs"
+    work = Path(args.work)  # not under OUT: the device tool brings back a few files only
     device = launch(base | {"loop": "device", "name": "device"}, work / "device")
     if "error" in device:
         raise SystemExit(f"the device check failed:\n{device['error']}")
@@ -530,7 +534,12 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument("--wheels", action="store_true", help="Also fetch the wheels to carry.")
     go = sub.add_parser("run", help="Train every setting and report tokens/s and MFU.")
     go.add_argument("--data", required=True, help="What `prepare --out` wrote.")
-    go.add_argument("--out", required=True)
+    go.add_argument("--out", required=True, help="Where the JSON and Markdown reports go.")
+    go.add_argument(
+        "--work",
+        default=str(ROOT / "bench" / "results" / "pretrain_gpu_runs"),
+        help="The settings' run directories (logs, steps; checkpoints are removed).",
+    )
     go.add_argument("--only", help=f"Comma-separated settings of {sorted(SETTINGS)}.")
     go.add_argument("--warmup", type=int, default=10, help="Untimed steps first.")
     go.add_argument("--steps", type=int, default=40, help="Timed steps.")
