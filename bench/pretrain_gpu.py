@@ -201,6 +201,7 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
     from training.config import TrainConfig
     from training.context import LocalContext, init_single_process
     from training.loop import Worker, WorkerJob
+    from training.plots import step_history
 
     run_dir, batch = Path(spec["run_dir"]), spec["batch"]
     gpu = spec["device"] == "cuda"
@@ -235,11 +236,7 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(threads)
     worker = Worker(job, LocalContext(run_dir))
     worker.run()
-    rows: dict[int, dict[str, Any]] = {}
-    for line in (run_dir / "steps.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows[row["step"]] = row
-    ordered = [rows[step] for step in sorted(rows)]
+    ordered = list(step_history(run_dir / "steps.jsonl").values())
     return {
         "step_s": [row["step_time_s"] for row in ordered],
         "tokens": [row["tokens_per_s"] * row["step_time_s"] for row in ordered],

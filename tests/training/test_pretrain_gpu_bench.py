@@ -68,6 +68,7 @@ def test_both_loops_train_and_the_report_gives_mfu(
     ):
         assert len(raw["step_s"]) == len(raw["tokens"]) == len(raw["losses"]) == 3, name
         target = bench.MODELS[model]["target"]
+        # Through JSON, as a child's result reaches the driver.
         rows[name] = bench.summarize(
             json.loads(json.dumps(raw)), 1, device["peak_flops"], device["peak_flops"], target
         )
