@@ -393,7 +393,7 @@ def launch(spec: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         tail = (run_dir / "log.txt").read_text(errors="replace").splitlines()[-25:]
         return wall | {"error": f"exit {code}: " + "\n".join(tail)}
     result = json.loads(Path(spec["result"]).read_text())
-    for path in run_dir.iterdir():  # the checkpoint (GBs at base size); logs and results stay
+    for path in run_dir.iterdir():  # the checkpoint (weights, AdamW state); logs, results stay
         if path.is_dir():
             shutil.rmtree(path)
     return wall | result
