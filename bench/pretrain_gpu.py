@@ -29,10 +29,15 @@ Models: lmpipe's `base` size of `bert` (BertForPreTraining, MLM + NSP, 110 M par
 128 tokens, batch 256; of `gpt2` (GPT2LMHeadModel, 124 M) at 1,024 tokens, batch 32, with the
 published vocabulary of 50,257 rows (`model.overrides`; the BPE trained on the shared texts is
 smaller, and the vocabulary projection is a large part of GPT-2's FLOPs). Counted: real input
-tokens of the timed steps. Timed: the steps after the warm-up (lmpipe: the `step_time_s` the
-loop logs; plain: CUDA-synchronised step ends). MFU = `training.flops.flops_per_token` x tokens/s
-/ the GPU's dense bf16 peak: the datasheet's (`training.telemetry.DATASHEET_PEAKS`, 989.4
-TFLOP/s for an H100 SXM or H200) and, in a second column, the matmul peak measured there.
+tokens of the timed steps. Timed, for both loops alike: the CUDA-synchronised wall time of the
+whole window of steps after the warm-up (an asynchronous step's own time measures only how fast
+it was queued); lmpipe's window includes its logging reads at `train.log_every_steps`. After
+the window, lmpipe trains `SYNC_CHECK_STEPS` more steps under
+`torch.cuda.set_sync_debug_mode("error")`: `sync_free` in the report says whether a step
+synchronised with the host, and `sync_error` where.
+MFU = `training.flops.flops_per_token` x tokens/s / the GPU's dense bf16 peak: the datasheet's
+(`training.telemetry.DATASHEET_PEAKS`, 989.4 TFLOP/s for an H100 SXM or H200) and, in a
+second column, the matmul peak measured there.
 Targets (issue 5): MFU >= 45% for GPT-2 and >= 40% for BERT-base, against the datasheet peak.
 
 `--device cpu --size tiny` runs the same code on a CPU (tests/bench/test_pretrain_gpu.py).
@@ -49,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +66,7 @@ SEED = 0
 GPT2_BLOCK = 1024
 GPT2_VOCAB = 50_257  # GPT-2's published vocabulary
 CHILD_TIMEOUT_S = 480
+SYNC_CHECK_STEPS = 3  # lmpipe's steps run under CUDA's sync debug mode after the timed ones
 
 #: model -> lmpipe family, size, objective, examples set, batch, MFU target (datasheet peak).
 MODELS: dict[str, dict[str, Any]] = {
@@ -209,7 +216,7 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = TrainConfig.model_validate(
         {
             "model": model_section(spec),
-            "max_steps": spec["warmup"] + spec["steps"],
+            "max_steps": spec["warmup"] + spec["steps"] + SYNC_CHECK_STEPS,
             "global_batch_size": batch,
             "precision": "bf16",
             "zero_stage": 0,
@@ -235,16 +242,55 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
     init_single_process()
     torch.set_num_threads(threads)
     worker = Worker(job, LocalContext(run_dir))
-    worker.run()
-    ordered = list(step_history(run_dir / "steps.jsonl").values())
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    warmup, steps = spec["warmup"], spec["steps"]
+    for _ in range(warmup):
+        worker.train_step()
+    worker.flush()  # the loop's own reads at its logging interval stay inside the window
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        worker.train_step()
+    worker.flush()
+    sync()
+    window_s = time.perf_counter() - start
+    check = sync_check(worker, gpu)
+    ordered = list(step_history(run_dir / "steps.jsonl").values())[: warmup + steps]
     return {
-        "step_s": [row["step_time_s"] for row in ordered],
+        # Warm-up steps as the loop logged them; the timed ones share the synchronised window.
+        "step_s": [row["step_time_s"] for row in ordered[:warmup]] + [window_s / steps] * steps,
         "tokens": [row["tokens_per_s"] * row["step_time_s"] for row in ordered],
         "losses": [row["loss"] for row in ordered],
         "flops_per_token": worker.telemetry.flops_per_token,
         "parameters": sum(p.numel() for p in worker.engine.module.parameters()),
+        **check,
         **_memory(gpu),
     }
+
+
+def sync_check(worker: Any, gpu: bool, steps: int = SYNC_CHECK_STEPS) -> dict[str, Any]:
+    """Train `steps` more steps under `torch.cuda.set_sync_debug_mode("error")` (GPU only).
+
+    No flush falls inside them, so any synchronisation is one the step itself makes; the first
+    one raises, and its traceback names the call.
+    """
+    if not gpu:
+        return {}
+    import torch
+
+    worker.telemetry.every = 1 << 30  # no logging read inside the checked steps
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            worker.train_step()
+        result: dict[str, Any] = {"sync_free": True}
+    except RuntimeError:
+        result = {"sync_free": False, "sync_error": traceback.format_exc()[-3000:]}
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    worker.flush()
+    return result
 
 
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
@@ -283,20 +329,30 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
             child.compile()
     step_s, losses = [], []
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    last = time.perf_counter()
-    for batch in batches:
+
+    def step(batch: dict[str, Any]) -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             out = pretraining_loss(model, objective, batch, True)
         out.loss.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        losses.append(out.loss.detach())  # read after the window
+
+    for batch in batches[: spec["warmup"]]:  # timed one by one (reported, not counted)
         sync()
-        now = time.perf_counter()
-        step_s.append(now - last)
-        losses.append(float(out.loss.detach()))  # after the step's time: nothing is queued
-        last = time.perf_counter()
+        start = time.perf_counter()
+        step(batch)
+        sync()
+        step_s.append(time.perf_counter() - start)
+    timed = batches[spec["warmup"] :]
+    sync()
+    start = time.perf_counter()
+    for batch in timed:
+        step(batch)
+    sync()
+    step_s += [(time.perf_counter() - start) / max(len(timed), 1)] * len(timed)
+    losses = [float(loss) for loss in losses]
     mlm = manifest["config"]["mask"]["masked_lm_prob"]
     return {
         "step_s": step_s,

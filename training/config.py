@@ -171,7 +171,13 @@ class TrainConfig(BaseModel):
     scale: ScaleConfig = Field(default_factory=ScaleConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    log_every_steps: int = Field(1, ge=1, description="Log training metrics every N steps.")
+    log_every_steps: int = Field(
+        20,
+        ge=1,
+        description="Read the training metrics from the device every N steps (also before "
+        "evaluation, checkpoints and the end): steps.jsonl gets every step, MLflow every N-th "
+        "and the last of each read.",
+    )
     log_sample_ids: bool = Field(
         False, description="Write the global sample ids each rank consumes, per step (audits)."
     )

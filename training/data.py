@@ -201,6 +201,11 @@ def dynamic_masker(manifest: dict[str, Any], tokenizer_dir: Path, seed: int) -> 
     )
 
 
+#: A masked-LM batch's flat indices of its masked tokens (labels != -100), in row-major order:
+#: the loss gathers those rows by index, with no host read of the labels on the device.
+MASKED_POSITIONS = "masked_positions"
+
+
 @dataclass(frozen=True)
 class BatchBuilder:
     """Turns rows of one objective into the model's input tensors (int64, CPU)."""
@@ -240,6 +245,7 @@ class BatchBuilder:
             else:
                 labels = rows[schema.LABELS].astype(np.int64)
             batch[schema.LABELS] = labels
+            batch[MASKED_POSITIONS] = np.flatnonzero(labels != -100)  # (M,)
             if schema.TOKEN_TYPE_IDS in rows:
                 batch[schema.TOKEN_TYPE_IDS] = rows[schema.TOKEN_TYPE_IDS].astype(np.int64)
             for label in (schema.NEXT_SENTENCE_LABEL, schema.SENTENCE_ORDER_LABEL):

@@ -60,6 +60,15 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     }
     if cfg.zero_stage > 0:
         ds["zero_allow_untested_optimizer"] = True
+    elif cfg.precision != "fp16":  # fp16 keeps DeepSpeed's loss scaler, which clips unscaled
+        # ZeRO 0 steps torch's fused AdamW directly, and nothing in the step reads a value on
+        # the host: the loop clips (the norm stays a tensor) and bf16 is torch's autocast over
+        # fp32 weights. DeepSpeed's own bf16 mode wraps the optimizer in one that checks every
+        # gradient for overflow on the host (about 70 reads a step, docs/pretraining.md).
+        ds["gradient_clipping"] = 0.0
+        if cfg.precision == "bf16":
+            ds["bf16"] = {"enabled": False}
+            ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     return merge(ds, cfg.deepspeed_extra)
 
 

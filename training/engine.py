@@ -7,6 +7,8 @@ is written once. This is the only module that calls `deepspeed.initialize`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -47,6 +49,62 @@ def initialize_deepspeed(
         set_z3_leaf_modules(model, zero3_leaves)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     return engine
+
+
+@contextlib.contextmanager
+def autocast_for(ds_config: dict[str, Any], device: torch.device) -> Iterator[None]:
+    """Autocast to the config's `torch_autocast` dtype, if enabled (else nothing).
+
+    The loop calls the model itself (for its losses), not `engine(...)`, so it enters the
+    autocast that DeepSpeed's own forward would have.
+    """
+    section = ds_config.get("torch_autocast", {})
+    if not section.get("enabled"):
+        yield
+        return
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[section["dtype"]]
+    with torch.autocast(device.type, dtype=dtype):
+        yield
+
+
+def base_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under DeepSpeed's wrappers (ZeRO, fp16), which steps the weights."""
+    while not type(optimizer).__module__.startswith("torch.optim") and hasattr(
+        optimizer, "optimizer"
+    ):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class DeviceUpdate:
+    """What the loop does between the last backward of a step and the engine's step.
+
+    - The guard's skip flag reaches torch's fused AdamW as `found_inf`, the attribute
+      `torch.amp.GradScaler` sets: when it is 1 the kernel leaves every weight and its own
+      state (moments, step count) exactly as they were, and nothing is read on the host.
+    - Where the engine does not clip (ZeRO 0, `deepspeed_config`), the loop clips here with
+      torch's foreach kernels, so the norm stays a device tensor for the logs.
+    """
+
+    def __init__(self, engine: Any, grad_clip: float, ds_config: dict[str, Any]) -> None:
+        """Find the fused optimizer under `engine`; refuse one that cannot skip on the device."""
+        self.engine = engine
+        self.optimizer = base_optimizer(engine.optimizer)
+        if not getattr(self.optimizer, "defaults", {}).get("fused"):
+            raise ValueError(
+                "train.guard skips a step on the device through torch's fused AdamW (lmpipe's "
+                f"DeepSpeed optimizer); this engine steps {type(self.optimizer).__name__}: "
+                "remove the optimizer from train.deepspeed_extra"
+            )
+        self.clip = grad_clip if ds_config.get("gradient_clipping", 0.0) == 0.0 else 0.0
+
+    def prepare(self, skip: torch.Tensor) -> torch.Tensor | None:
+        """Arm the optimizer with `skip`; clip if the loop clips. Returns that norm, or None."""
+        self.optimizer.found_inf = skip.float().reshape(())
+        if self.clip <= 0:
+            return None
+        params = [p for p in self.engine.module.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True)
 
 
 class TorchEngine:

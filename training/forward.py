@@ -19,6 +19,7 @@ import transformers as tf
 from torch import Tensor, nn
 
 from tasks import schema
+from training.data import MASKED_POSITIONS
 from training.distill import DistillationModel
 from training.electra import ElectraPretrainer, corrupt
 from training.models import family_of
@@ -172,7 +173,9 @@ def _input_tokens(batch: Mapping[str, Tensor]) -> Tensor:
     mask = batch.get(ATTENTION_MASK)
     if mask is not None and mask.dim() == 2:
         return mask.sum()
-    return torch.tensor(batch[schema.INPUT_IDS].numel(), device=batch[schema.INPUT_IDS].device)
+    ids = batch[schema.INPUT_IDS]
+    # A fill on the device: `torch.tensor(n, device=...)` would copy from the host and wait.
+    return torch.full((), ids.numel(), dtype=torch.int64, device=ids.device)
 
 
 def _step(
@@ -185,18 +188,54 @@ def _step(
 
 
 def _mlm_logits(
-    model: tf.PreTrainedModel, head: str | nn.Module, hidden: Tensor, labels: Tensor, sparse: bool
+    model: tf.PreTrainedModel,
+    head: str | nn.Module,
+    hidden: Tensor,
+    labels: Tensor,
+    sparse: bool,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """MLM logits and their targets: (M, V), (M,) at masked positions, or (B·T, V), (B·T,)."""
+    """MLM logits and their targets: (M, V), (M,) at masked positions, or (B·T, V), (B·T,).
+
+    `positions` (M,): the flat indices of the masked tokens, when the batch carries them
+    (`training.data.MASKED_POSITIONS`).
+    """
     predict = model.get_submodule(head) if isinstance(head, str) else head
     if not sparse:
         logits = predict(hidden)  # (B, T, V)
         return logits.flatten(0, 1), labels.flatten()
+    if positions is not None:
+        # Gathering by index needs no read on the host; boolean indexing below must first
+        # count the selected rows (a device-to-host synchronisation on a GPU).
+        rows = hidden.flatten(0, 1).index_select(0, positions)  # (M, D)
+        return predict(rows), labels.flatten().index_select(0, positions)  # (M, V), (M,)
     selected = labels != IGNORE_INDEX  # (B, T)
     # Boolean indexing gathers the M masked rows, so the vocabulary projection, the largest
     # matmul of a small encoder, runs on ~15% of the positions (original BERT's
     # gather_indexes). Its backward scatters the gradient back to those rows.
     return predict(hidden[selected]), labels[selected]  # (M, V), (M,)
+
+
+#: Encoders whose padding mask transformers builds with `masking_utils.create_bidirectional_mask`,
+#: which reads the 2-D mask on the host (`mask.all()`) to see whether it can drop it.
+_BIDIRECTIONAL_MASK_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "electra"})
+
+
+def _padding_mask(model: tf.PreTrainedModel, mask: Tensor | None) -> Tensor | None:
+    """The encoder's padding mask, as SDPA takes it where that spares a host read.
+
+    For the `_BIDIRECTIONAL_MASK_TYPES` under SDPA, a (B, T) 0/1 mask becomes the boolean
+    (B, 1, 1, T) mask transformers would build (True: attend), which it passes through as is.
+    """
+    config = model.config
+    if (
+        mask is None
+        or mask.dim() != 2
+        or config.model_type not in _BIDIRECTIONAL_MASK_TYPES
+        or config._attn_implementation != "sdpa"
+    ):
+        return mask
+    return mask.bool()[:, None, None, :]  # (B, 1, 1, T)
 
 
 def _pair_loss(
@@ -208,11 +247,12 @@ def _pair_loss(
     mlm_head, pair_head = _PAIR_HEADS[family_of(model.config)]
     out = model.base_model(
         input_ids=batch[schema.INPUT_IDS],
-        attention_mask=batch.get(ATTENTION_MASK),
+        attention_mask=_padding_mask(model, batch.get(ATTENTION_MASK)),
         token_type_ids=batch[schema.TOKEN_TYPE_IDS],
     )
     hidden = out.last_hidden_state  # (B, T, D)
-    logits, targets = _mlm_logits(model, mlm_head, hidden, batch[schema.LABELS], sparse)
+    positions = batch.get(MASKED_POSITIONS)
+    logits, targets = _mlm_logits(model, mlm_head, hidden, batch[schema.LABELS], sparse, positions)
     mlm, counts = _token_loss(logits, targets, "mlm", "mlm_total")
     pair_logits = model.get_submodule(pair_head)(out.pooler_output)  # (B, 2)
     name = _PAIR_NAMES[objective]
@@ -240,7 +280,8 @@ def mlm_hidden_and_logits(
         extra["global_attention_mask"] = F.pad(
             torch.ones_like(ids[:, :1]), (0, ids.shape[1] - 1), value=0
         )
-    out = model.base_model(input_ids=ids, attention_mask=batch.get(ATTENTION_MASK), **extra)
+    mask = _padding_mask(model, batch.get(ATTENTION_MASK))
+    out = model.base_model(input_ids=ids, attention_mask=mask, **extra)
     hidden = out.last_hidden_state  # (B, T, D)
     head: nn.Module | str
     if isinstance(model, tf.DistilBertForMaskedLM):
@@ -249,7 +290,8 @@ def mlm_hidden_and_logits(
         head = nn.Sequential(model.generator_predictions, model.generator_lm_head)
     else:
         head = _MLM_HEADS[family_of(model.config)]
-    logits, targets = _mlm_logits(model, head, hidden, batch[schema.LABELS], sparse)
+    positions = batch.get(MASKED_POSITIONS)
+    logits, targets = _mlm_logits(model, head, hidden, batch[schema.LABELS], sparse, positions)
     return hidden, logits, targets
 
 

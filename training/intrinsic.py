@@ -86,7 +86,7 @@ def heldout_metrics(
             ids = np.arange(start, min(n, start + cfg.batch_size))
             batch = build(data.take(ids), ids, EVAL_EPOCH)
             meter.add(pretraining_loss(model, manifest["objective"], batch, sparse), batch)
-    return {**metrics_from(meter.sums), "heldout_examples": float(n)}
+    return {**metrics_from(meter.totals()), "heldout_examples": float(n)}
 
 
 def fill_mask_probes(

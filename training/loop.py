@@ -39,7 +39,7 @@ from training.data import (
 from training.deepspeed import deepspeed_config, param_groups
 from training.distill import DistillationModel
 from training.electra import ElectraPretrainer
-from training.engine import initialize_deepspeed
+from training.engine import DeviceUpdate, autocast_for, initialize_deepspeed
 from training.flops import flops_per_token
 from training.forward import (
     SEQ2SEQ_OBJECTIVES,
@@ -52,6 +52,7 @@ from training.length_schedule import check_length_schedule, length_at
 from training.pretraining_model import build_pretraining_model, zero3_leaf_modules
 from training.schedule import GroupLRSchedule
 from training.telemetry import StepMeter, Telemetry
+from training.tracking import MlflowTracker, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,14 @@ class Worker:
                 self.cfg.zero_stage,
             )
         self.guard = LossGuard(self.cfg.guard)
+        self.guard.to(self.engine.device)
+        self.update = DeviceUpdate(self.engine, self.cfg.optim.grad_clip, self.ds_config)
+        self.precision = functools.partial(autocast_for, self.ds_config, self.engine.device)
         flops_at = functools.lru_cache(maxsize=8)(lambda seq: self._flops(manifest, seq))
-        self.telemetry = Telemetry(job, ctx, flops_at(length), flops_at)
+        tracker: Tracker = NullTracker()
+        if ctx.rank == 0 and job.tracking_uri and job.run_id:
+            tracker = MlflowTracker(job.tracking_uri, job.run_id)
+        self.telemetry = Telemetry(self.cfg, ctx, tracker, flops_at(length), flops_at)
         self.step, self.cursor, self.tokens_seen = 0, Cursor(), 0
         torch.manual_seed(_seed_for(job.seed, ctx.rank))  # dropout differs across ranks
 
@@ -197,6 +204,7 @@ class Worker:
         self.cursor = Cursor(**meta["cursor"])
         self.tokens_seen = int(meta["tokens_seen"])
         self.guard.load_state(meta["guard"])
+        self.guard.to(self.engine.device)
         rng = path / ckpt.rng_file(self.ctx.rank)
         if meta["world_size"] == self.ctx.world_size and rng.is_file():
             ckpt.set_rng_state(ckpt.load_rng_state(rng))
@@ -269,6 +277,8 @@ class Worker:
             final = self.step == min(last, self.cfg.max_steps)
             evaluate = final or self.step % self.cfg.eval.every_steps == 0
             save = final or self.step % self.cfg.checkpoint.every_steps == 0
+            if evaluate or save:
+                self.flush()
             if evaluate:
                 metrics = self.evaluate()
             if save:
@@ -278,35 +288,43 @@ class Worker:
         return metrics
 
     def train_step(self) -> None:
-        """One optimizer step over this rank's share of the next global batch."""
+        """One optimizer step over this rank's share of the next global batch.
+
+        Nothing here reads a tensor value on the host: the guard's skip flag, the gradient norm
+        and the step's statistics stay on the device until `flush`.
+        """
         epoch, indices, after = self.order.next_batch(self.cursor)
         length = self._seq_len()
         micro = rank_micro_batches(indices, self.ctx.rank, self.ctx.world_size, self.micro)
         meter = StepMeter()
         lr = self.schedule.get_last_lr()[0]
-        skip = False
         for i, ids in enumerate(micro):
             batch = self._device(self.build(self.train_data.take(ids), ids, epoch, length))
-            out = pretraining_loss(self.engine.module, self.objective, batch, self.cfg.sparse_mlm)
-            verdict = self.guard.check(out.loss.detach(), self.step)
-            skip = skip or verdict == "skip"
-            if verdict == "ok" and not skip:
-                self.engine.backward(out.loss)
-            else:  # exact zero gradients, with no path through non-finite activations
-                self.engine.backward(_zero_loss(self.engine.module))
-            if skip and i == len(micro) - 1:
-                _zero_lr(self.engine)  # the step leaves the weights as they were
+            with self.precision():
+                out = pretraining_loss(
+                    self.engine.module, self.objective, batch, self.cfg.sparse_mlm
+                )
+            self.guard.observe(out.loss)
+            self.engine.backward(out.loss)
+            if i == len(micro) - 1:  # the update's boundary: decide, clip, then step
+                skip, record = self.guard.decide()
+                grad_norm = self.update.prepare(skip)
             self.engine.step()
             meter.add(out, batch)
-        self.schedule.step()  # the next step's rates (undoes a skipped step's lr 0)
-        self.guard.step_done(skip)
+        self.schedule.step()  # the next step's rates
         self.cursor = after
         self.step += 1
         self._fault("step")
-        grad_norm = self.engine.get_global_grad_norm()
-        self.tokens_seen += int(self.telemetry.step(self.step, meter, lr, grad_norm, skip, length))
+        if grad_norm is None:  # ZeRO computes the norm inside its step
+            grad_norm = self.engine.get_global_grad_norm()
+        if self.telemetry.record(self.step, meter, lr, grad_norm, skip, record, length):
+            self.flush()
         if self.cfg.log_sample_ids:
             self._log_sample_ids(np.concatenate(micro))
+
+    def flush(self) -> None:
+        """Read the steps recorded since the last flush: log them and replay the guard."""
+        self.tokens_seen += int(self.telemetry.flush(self.guard.replay))
 
     def _seq_len(self) -> int:
         """This step's sequence length: `train.length_schedule`'s, else the examples' own."""
@@ -325,9 +343,10 @@ class Worker:
         with torch.no_grad():
             for ids in rank_micro_batches(indices, self.ctx.rank, self.ctx.world_size, self.micro):
                 batch = self._device(self.build(self.eval_data.take(ids), ids, EVAL_EPOCH))
-                out = pretraining_loss(
-                    self.engine.module, self.objective, batch, self.cfg.sparse_mlm
-                )
+                with self.precision():
+                    out = pretraining_loss(
+                        self.engine.module, self.objective, batch, self.cfg.sparse_mlm
+                    )
                 meter.add(out, batch)
         self.engine.module.train()
         return self.telemetry.evaluation(self.step, meter)
@@ -400,6 +419,8 @@ class Worker:
 
     def _device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         device = self.engine.device
+        if device.type == "cuda":  # pinned: the copy runs asynchronously, the host goes on
+            return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
         return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
     def _log_sample_ids(self, ids: np.ndarray) -> None:
@@ -422,21 +443,6 @@ EVAL_EPOCH = (1 << 62) + 7  # dynamic masking of the validation split: fixed, ap
 def reference_indices(size: int, count: int) -> np.ndarray:
     """The validation samples of the fixed reference batch: the first `count`."""
     return np.arange(min(size, count))
-
-
-def _zero_loss(model: torch.nn.Module) -> torch.Tensor:
-    """A zero loss whose gradient is exactly 0 for every parameter."""
-    total = torch.zeros(())
-    for param in model.parameters():
-        if param.requires_grad:
-            total = total + param.sum() * 0.0
-    return total
-
-
-def _zero_lr(engine: Any) -> None:
-    # The schedule sets the next step's rates from its own counter after this step.
-    for group in engine.optimizer.param_groups:
-        group["lr"] = 0.0
 
 
 def _barrier() -> None:

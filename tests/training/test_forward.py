@@ -7,6 +7,7 @@ import torch
 import transformers as tf
 
 from tasks import schema
+from training.data import MASKED_POSITIONS
 from training.flops import flops_per_token
 from training.forward import (
     ATTENTION_MASK,
@@ -295,3 +296,19 @@ def test_t5_flops_need_the_target_length() -> None:
         flops_per_token(config, 512, "span_corruption")
     short, long = (flops_per_token(config, 512, "span_corruption", target_len=n) for n in (64, 114))
     assert 0 < short < long
+
+
+@pytest.mark.parametrize(("family", "objective"), [("bert", "bert"), ("roberta", "roberta")])
+def test_masked_positions_from_the_host_give_the_boolean_gathers_loss(
+    family: Family, objective: str
+) -> None:
+    model = tiny(family, objective)
+    batch = mlm_batch(objective)
+    flat = (batch[schema.LABELS] != -100).flatten().nonzero().squeeze(1)
+    gathered = pretraining_loss(model, objective, batch | {MASKED_POSITIONS: flat})
+    gathered_grads = grads(model, gathered.loss)
+    boolean = pretraining_loss(model, objective, batch)
+    torch.testing.assert_close(gathered.loss, boolean.loss)
+    for name, grad in grads(model, boolean.loss).items():
+        torch.testing.assert_close(grad, gathered_grads[name], msg=name)
+    assert model.config._attn_implementation == "sdpa"  # the 4-D padding mask path was taken

@@ -277,3 +277,17 @@ def test_no_weight_decay_on_biases_and_norms() -> None:
     assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
     assert len(no_decay["params"]) == 3
     assert no_decay["weight_decay"] == 0.0
+
+
+def test_zero0_runs_bf16_as_autocast_and_leaves_clipping_to_the_loop() -> None:
+    bf16 = deepspeed_config(TrainConfig(precision="bf16", zero_stage=0), world_size=1)
+    assert bf16["bf16"] == {"enabled": False}
+    assert bf16["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert bf16["gradient_clipping"] == 0.0  # the loop clips; its norm stays on the device
+    fp16 = deepspeed_config(
+        TrainConfig(precision="fp16", zero_stage=0, scale={"use_gpu": True}), world_size=1
+    )
+    assert fp16["gradient_clipping"] == TrainConfig().optim.grad_clip  # DeepSpeed unscales first
+    zero2 = deepspeed_config(TrainConfig(precision="bf16", zero_stage=2), world_size=1)
+    assert zero2["bf16"] == {"enabled": True}
+    assert "torch_autocast" not in zero2
