@@ -15,7 +15,7 @@ setup: $(STAMP)
 
 # torch first, pinned exactly: on its own a range would pull the newest CUDA build (several GB).
 # `pip install -e` also compiles the C extension (setup.py), so its source is a prerequisite.
-$(STAMP): pyproject.toml setup.py tasks/_textscan.c
+$(STAMP): pyproject.toml setup.py tasks/ingest/_textscan.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0

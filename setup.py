@@ -1,6 +1,6 @@
-"""Build the one C extension, `tasks._textscan`; all other metadata lives in pyproject.toml.
+"""Build the one C extension, `tasks.ingest._textscan`; all other metadata lives in pyproject.toml.
 
-The SHA-256 of the C source is compiled in, so that `tasks.textscan` can refuse a stale build
+The SHA-256 of the C source is compiled in, so that `tasks.ingest.textscan` can refuse a stale build
 (an edited `_textscan.c` whose module was not rebuilt) instead of silently running old code.
 """
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 
-SOURCE = "tasks/_textscan.c"
+SOURCE = "tasks/ingest/_textscan.c"
 DIGEST = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()
 
 setup(
     ext_modules=[
         Extension(
-            "tasks._textscan",
+            "tasks.ingest._textscan",
             sources=[SOURCE],
             define_macros=[("TEXTSCAN_SOURCE_SHA256", f'"{DIGEST}"')],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],

@@ -43,12 +43,12 @@ import torch  # noqa: E402
 import transformers as tf  # noqa: E402
 
 from bench import pretraining_helps as helps  # noqa: E402  (also sets the env it needs)
-from tasks.examples import ExamplesConfig  # noqa: E402
-from tasks.examples_run import run_examples  # noqa: E402
-from tasks.ray_runtime import ensure_ray  # noqa: E402
-from tasks.synthetic import SyntheticConfig  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.plots import step_history  # noqa: E402
+from tasks.common.ray_runtime import ensure_ray  # noqa: E402
+from tasks.demo.synthetic import SyntheticConfig  # noqa: E402
+from tasks.examples.examples import ExamplesConfig  # noqa: E402
+from tasks.examples.stage import run_examples  # noqa: E402
+from training.evaluate.plots import step_history  # noqa: E402
+from training.pretrain.config import TrainConfig  # noqa: E402
 
 #: torch's thread count before anything sets it: what a user's process gets.
 DEFAULT_THREADS = torch.get_num_threads()

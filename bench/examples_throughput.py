@@ -5,9 +5,9 @@ Usage: python bench/examples_throughput.py [--mb 110] [--out bench/results]
 Reuses the corpus of bench/tokenizer_encode.py (same generator), ingests it, trains a
 WordPiece tokenizer and encodes it once (set-up, not measured), then measures:
 
-- masking: `tasks.objectives.mask_tokens` against `transformers.DataCollatorForLanguageModeling`
-  on the same 64 batches of 256 unmasked BERT rows of 128 tokens, with the realised mask rate
-  and 80/10/10 shares of both;
+- masking: `tasks.examples.objectives.mask_tokens` against
+  `transformers.DataCollatorForLanguageModeling` on the same 64 batches of 256 unmasked BERT rows of
+  128 tokens, with the realised mask rate and 80/10/10 shares of both;
 - causal packing: the whole `causal` examples stage (read token shards, pack, write, on Ray)
   and its core alone in one process (read, pack, write) against `group_texts` run through
   `datasets.map(batched=True, num_proc=<cores>)` as the causal-LM example script does, on the
@@ -40,21 +40,21 @@ import numpy as np
 import pyarrow as pa
 from tokenizer_encode import CORES, run_phase, write_corpus
 
-from tasks import schema
-from tasks.io import read_ipc_stream
+from tasks.common import schema
+from tasks.common.io import read_ipc_stream
 
 BATCHES, ROWS, LENGTH = 64, 256, 128
 
 
 def _stage_setup(args: argparse.Namespace) -> dict[str, Any]:
-    from tasks.encode import EncodeConfig
-    from tasks.encode_run import run_encode
-    from tasks.ingest import IngestConfig
-    from tasks.ingest_run import run_ingest
-    from tasks.ray_runtime import RayConfig
-    from tasks.sources import SourceConfig
-    from tasks.tokenizer import TokenizerConfig
-    from tasks.tokenizer_run import run_tokenizer
+    from tasks.common.ray_runtime import RayConfig
+    from tasks.encode.encode import EncodeConfig
+    from tasks.encode.stage import run_encode
+    from tasks.ingest.ingest import IngestConfig
+    from tasks.ingest.sources import SourceConfig
+    from tasks.ingest.stage import run_ingest
+    from tasks.tokenizer.stage import run_tokenizer
+    from tasks.tokenizer.tokenizer import TokenizerConfig
 
     ray_cfg = RayConfig(num_workers=CORES)
     ws = args.work / f"ws-{args.corpus.stem}"
@@ -98,9 +98,9 @@ def _examples_stage(args: argparse.Namespace, warm: bool = False) -> dict[str, A
     """
     import ray
 
-    from tasks.examples import ExamplesConfig
-    from tasks.examples_run import run_examples
-    from tasks.ray_runtime import RayConfig, ensure_ray
+    from tasks.common.ray_runtime import RayConfig, ensure_ray
+    from tasks.examples.examples import ExamplesConfig
+    from tasks.examples.stage import run_examples
 
     ray_cfg = RayConfig(num_workers=CORES)
     ensure_ray(ray_cfg)
@@ -130,9 +130,9 @@ def _examples_stage(args: argparse.Namespace, warm: bool = False) -> dict[str, A
 
 def _bert_rows(args: argparse.Namespace) -> np.ndarray:
     """(BATCHES * ROWS, LENGTH) unmasked `[CLS] A [SEP] B [SEP]` rows from the corpus."""
-    from tasks.examples import ExamplesConfig
-    from tasks.examples_run import run_examples
-    from tasks.ray_runtime import RayConfig
+    from tasks.common.ray_runtime import RayConfig
+    from tasks.examples.examples import ExamplesConfig
+    from tasks.examples.stage import run_examples
 
     out = args.work / "rows"
     cfg = ExamplesConfig(objective="bert", masking="dynamic", max_seq_length=LENGTH)
@@ -149,7 +149,7 @@ def _masking(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
 
-    from tasks.objectives import MaskConfig, mask_tokens, sample_keys
+    from tasks.examples.objectives import MaskConfig, mask_tokens, sample_keys
 
     rows = _bert_rows(args)
     tok = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
@@ -252,8 +252,8 @@ def _group_texts(args: argparse.Namespace) -> dict[str, Any]:
 
 def _causal_in_process(args: argparse.Namespace) -> dict[str, Any]:
     """The causal core alone, in one process: read each token shard, pack, write Arrow."""
-    from tasks.examples import causal_blocks, encoded_docs, fixed
-    from tasks.io import write_ipc_stream
+    from tasks.common.io import write_ipc_stream
+    from tasks.examples.examples import causal_blocks, encoded_docs, fixed
 
     manifest = json.loads((Path(args.encode) / "manifest.json").read_text())
     eos = json.loads((Path(args.tokenizer) / "manifest.json").read_text())["special_tokens"][

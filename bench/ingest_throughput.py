@@ -34,12 +34,12 @@ import pyarrow as pa
 import pyarrow.json as pajson
 import ray
 
-from tasks.ingest import IngestConfig, UnitJob, process_unit
-from tasks.ingest_run import run_ingest
-from tasks.ray_runtime import RayConfig
-from tasks.readers import plan_units
-from tasks.sources import SourceConfig, expand_source
-from tasks.synthetic import SyntheticConfig, fact_sentence, grammar_sentence, make_world
+from tasks.common.ray_runtime import RayConfig
+from tasks.demo.synthetic import SyntheticConfig, fact_sentence, grammar_sentence, make_world
+from tasks.ingest.ingest import IngestConfig, UnitJob, process_unit
+from tasks.ingest.readers import plan_units
+from tasks.ingest.sources import SourceConfig, expand_source
+from tasks.ingest.stage import run_ingest
 
 
 def generate(path: Path, mib: int, seed: int = 0) -> Path:
@@ -144,7 +144,7 @@ def run_one(path: Path, workers: int, splitter: str, workdir: Path) -> dict[str,
     sampler = PeakRss()
     sampler.start()
     start = time.perf_counter()
-    from tasks.ray_runtime import ensure_ray
+    from tasks.common.ray_runtime import ensure_ray
 
     ensure_ray(ray_cfg)
     ray_start = time.perf_counter() - start
@@ -206,9 +206,9 @@ def profile_unit(path: Path, workdir: Path) -> str:
 
 # The parts of a unit: (label, [(file suffix, function)]) whose cumulative times add up.
 PARTS = [
-    ("sentence splitting (split_sentences)", [("tasks/text.py", "split_sentences")]),
-    ("text clean-up (clean_texts)", [("tasks/text.py", "clean_texts")]),
-    ("reading + JSON decoding (read_unit)", [("tasks/readers.py", "read_unit")]),
+    ("sentence splitting (split_sentences)", [("tasks/ingest/text.py", "split_sentences")]),
+    ("text clean-up (clean_texts)", [("tasks/ingest/text.py", "clean_texts")]),
+    ("reading + JSON decoding (read_unit)", [("tasks/ingest/readers.py", "read_unit")]),
 ]
 
 
@@ -221,7 +221,7 @@ def profile_split(stats: dict[tuple[str, int, str], tuple[int, int, float, float
     def cumulative(file: str, name: str) -> float:
         return sum(v[3] for k, v in stats.items() if k[0].endswith(file) and k[2] == name)
 
-    total = cumulative("tasks/ingest.py", "process_unit")
+    total = cumulative("tasks/ingest/ingest.py", "process_unit")
     lines, rest = [f"unit total {total:.3f} s (cProfile on)"], total
     for label, functions in PARTS:
         part = sum(cumulative(file, name) for file, name in functions)

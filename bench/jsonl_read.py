@@ -1,13 +1,13 @@
-"""JSON Lines reading alone: the line splitter of `tasks.readers` against the general path.
+"""JSON Lines reading alone: the line splitter of `tasks.ingest.readers` against the general path.
 
 Usage: python bench/jsonl_read.py [--mb 32] [--rounds 5]
 
 Generates --mb MiB of JSON Lines (about 400-byte English-like documents with an `id` and a
-`text` field) in memory, then reads it with `tasks.readers._read_delimited` twice per round,
+`text` field) in memory, then reads it with `tasks.ingest.readers._read_delimited` twice per round,
 alternating: once with the line separator (`_emit_lines`: one `bytes.split` per block, orjson
 first) and once with an equivalent separator regex that takes the general per-match path (a
 regex match, a line count and `emit_bounded`'s checks per record). Both give the same records
-(`tests/tasks/test_readers.py`). Prints the best time of each and the ratio.
+(`tests/tasks/ingest/test_readers.py`). Prints the best time of each and the ratio.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tasks import readers
-from tasks.sources import InputFile, WorkUnit
+from tasks.ingest import readers
+from tasks.ingest.sources import InputFile, WorkUnit
 
 WORDS = [
     "the",

@@ -17,9 +17,9 @@ stack (docs/benchmarks.md, "GPU"):
   DeepSpeed, transformers at this venv's versions), for Python 3.12 on x86-64.
 - `run` trains each setting in its own subprocess (run directories under `--work`) and
   writes `pretrain_gpu.json` and `pretrain_gpu.md` to OUT:
-  - `lmpipe-*`: lmpipe's loop itself (`training.loop.Worker` with `LocalContext`: the memory-
-    mapped example shards, the seeded global order, the DeepSpeed engine at ZeRO 0, bf16, one
-    NCCL+gloo rank, no Ray), eager or with `torch.compile` (`train.compile`);
+  - `lmpipe-*`: lmpipe's loop itself (`training.pretrain.loop.Worker` with `LocalContext`: the
+    memory- mapped example shards, the seeded global order, the DeepSpeed engine at ZeRO 0, bf16,
+    one NCCL+gloo rank, no Ray), eager or with `torch.compile` (`train.compile`);
   - `plain-*`: a plain PyTorch loop on the same model, loss (`pretraining_loss`, sparse MLM) and
     batches, already on the GPU: fused AdamW, bf16 autocast, clipping, nothing else. It is the
     ceiling the loop's own work (batch building, guard, telemetry, DeepSpeed) is measured
@@ -35,9 +35,9 @@ it was queued); lmpipe's window includes its logging reads at `train.log_every_s
 the window, lmpipe trains `SYNC_CHECK_STEPS` more steps under
 `torch.cuda.set_sync_debug_mode("error")`: `sync_free` in the report says whether a step
 synchronised with the host, and `sync_error` where.
-MFU = `training.flops.flops_per_token` x tokens/s / the GPU's dense bf16 peak: the datasheet's
-(`training.telemetry.DATASHEET_PEAKS`, 989.4 TFLOP/s for an H100 SXM or H200) and, in a
-second column, the matmul peak measured there.
+MFU = `training.models.flops.flops_per_token` x tokens/s / the GPU's dense bf16 peak: the
+datasheet's (`training.runtime.telemetry.DATASHEET_PEAKS`, 989.4 TFLOP/s for an H100 SXM or H200)
+and, in a second column, the matmul peak measured there.
 Targets (issue 5): MFU >= 45% for GPT-2 and >= 40% for BERT-base, against the datasheet peak.
 
 `--device cpu --size tiny` runs the same code on a CPU (tests/bench/test_pretrain_gpu.py).
@@ -120,13 +120,13 @@ def prepare_gpt2_blocks(work: Path) -> dict[str, Any]:
     """Byte-level BPE on the shared texts, then causal blocks of 1,024 tokens."""
     import pretrain_throughput as cpu_bench
 
-    from tasks.encode import EncodeConfig
-    from tasks.encode_run import run_encode
-    from tasks.examples import ExamplesConfig
-    from tasks.examples_run import run_examples
-    from tasks.ray_runtime import RayConfig
-    from tasks.tokenizer import TokenizerConfig
-    from tasks.tokenizer_run import run_tokenizer
+    from tasks.common.ray_runtime import RayConfig
+    from tasks.encode.encode import EncodeConfig
+    from tasks.encode.stage import run_encode
+    from tasks.examples.examples import ExamplesConfig
+    from tasks.examples.stage import run_examples
+    from tasks.tokenizer.stage import run_tokenizer
+    from tasks.tokenizer.tokenizer import TokenizerConfig
 
     ray_cfg, ws = RayConfig(num_workers=cpu_bench.THREADS), work / "ws"
     ingest = cpu_bench.ingest_shared_texts(ws, ray_cfg)
@@ -205,10 +205,10 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
     """Run lmpipe's loop (`Worker.run`) here, on one rank without Ray; its logged steps."""
     import torch
 
-    from training.config import TrainConfig
-    from training.context import LocalContext, init_single_process
-    from training.loop import Worker, WorkerJob
-    from training.plots import step_history
+    from training.evaluate.plots import step_history
+    from training.pretrain.config import TrainConfig
+    from training.pretrain.loop import Worker, WorkerJob
+    from training.runtime.context import LocalContext, init_single_process
 
     run_dir, batch = Path(spec["run_dir"]), spec["batch"]
     gpu = spec["device"] == "cuda"
@@ -297,11 +297,17 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     """A plain loop over the same model, loss and batches, all on the device beforehand."""
     import torch
 
-    from training.data import BatchBuilder, Cursor, ExampleShards, GlobalOrder, read_manifest
-    from training.deepspeed import param_groups
-    from training.flops import flops_per_token
-    from training.forward import pretraining_loss
-    from training.models import ModelConfig, build_model
+    from training.models.flops import flops_per_token
+    from training.models.models import ModelConfig, build_model
+    from training.pretrain.data import (
+        BatchBuilder,
+        Cursor,
+        ExampleShards,
+        GlobalOrder,
+        read_manifest,
+    )
+    from training.pretrain.losses import pretraining_loss
+    from training.runtime.deepspeed import param_groups
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
@@ -384,7 +390,7 @@ def child_device(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import transformers
 
-    from training.telemetry import measure_cuda_peak_flops, measure_peak_flops, peak_flops
+    from training.runtime.telemetry import measure_cuda_peak_flops, measure_peak_flops, peak_flops
 
     info: dict[str, Any] = {
         "python": platform.python_version(),

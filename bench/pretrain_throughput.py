@@ -11,13 +11,13 @@ masks), model (BERT, 4 layers, hidden 256, 4 heads, FFN 1024) and 2 torch thread
 each setting in its own subprocess:
 
 - `plain-*`: a plain PyTorch loop (AdamW, gradient clipping, the same warm-up/decay schedule,
-  `training.forward.pretraining_loss`), fp32 or bf16 autocast, eager or `torch.compile`;
+  `training.pretrain.losses.pretraining_loss`), fp32 or bf16 autocast, eager or `torch.compile`;
 - `hf-*`: `transformers.Trainer` on `BertForPreTraining` (its own loss: MLM logits at every
   position), the same samples as a torch Dataset in the same order, fp32 or bf16 (autocast),
   with or without its `torch_compile` option;
-- `lmpipe-local-*`: lmpipe's loop (`training.loop.run_worker`, DeepSpeed engine) in this
+- `lmpipe-local-*`: lmpipe's loop (`training.pretrain.loop.run_worker`, DeepSpeed engine) in this
   process with `LocalContext` (a one-rank gloo group, no Ray);
-- `lmpipe-ray-*`: the same loop on Ray Train (`training.trainer.run_training`, 1 worker,
+- `lmpipe-ray-*`: the same loop on Ray Train (`training.runtime.launcher.run_training`, 1 worker,
   2 CPUs, 2 threads), with a local Ray started in the subprocess.
 
 Counted: real input tokens, i.e. the sum of the attention mask (padding excluded) of the
@@ -184,7 +184,7 @@ def resolved_precision(spec: dict[str, Any]) -> str:
     """A setting's precision, with lmpipe's `auto` resolved as `TrainConfig` resolves it."""
     if spec["precision"] != "auto":
         return str(spec["precision"])
-    from training.config import TrainConfig
+    from training.pretrain.config import TrainConfig
 
     return TrainConfig().precision
 
@@ -194,8 +194,8 @@ def resolved_precision(spec: dict[str, Any]) -> str:
 
 def ingest_shared_texts(ws: Path, ray_cfg: Any) -> Any:
     """Ingest the real texts of ../shared/data (a book is one document) into workspace `ws`."""
-    from tasks.ingest import IngestConfig
-    from tasks.ingest_run import run_ingest
+    from tasks.ingest.ingest import IngestConfig
+    from tasks.ingest.stage import run_ingest
 
     books = {"format": "txt", "txt_mode": "file"}  # a book is one document: full 128-token rows
     return run_ingest(
@@ -219,13 +219,13 @@ def prepare_examples(work: Path) -> dict[str, Any]:
 
     Every stage reuses a complete output with the same fingerprint, so a rerun is quick.
     """
-    from tasks.encode import EncodeConfig
-    from tasks.encode_run import run_encode
-    from tasks.examples import ExamplesConfig
-    from tasks.examples_run import run_examples
-    from tasks.ray_runtime import RayConfig
-    from tasks.tokenizer import TokenizerConfig
-    from tasks.tokenizer_run import run_tokenizer
+    from tasks.common.ray_runtime import RayConfig
+    from tasks.encode.encode import EncodeConfig
+    from tasks.encode.stage import run_encode
+    from tasks.examples.examples import ExamplesConfig
+    from tasks.examples.stage import run_examples
+    from tasks.tokenizer.stage import run_tokenizer
+    from tasks.tokenizer.tokenizer import TokenizerConfig
 
     ray_cfg, ws = RayConfig(num_workers=THREADS), work / "ws"
     ingest = ingest_shared_texts(ws, ray_cfg)
@@ -257,7 +257,7 @@ class BenchData:
         """Open the train split (memory-mapped) as the loop does."""
         import torch
 
-        from training.data import BatchBuilder, ExampleShards, GlobalOrder, read_manifest
+        from training.pretrain.data import BatchBuilder, ExampleShards, GlobalOrder, read_manifest
 
         self.manifest = read_manifest(examples_dir)
         self.train = ExampleShards(examples_dir, "train", verify=False)
@@ -267,7 +267,7 @@ class BenchData:
 
     def batches(self, steps: int) -> list[Any]:
         """The first `steps` global batches (the static masks are in the shards)."""
-        from training.data import Cursor
+        from training.pretrain.data import Cursor
 
         out, cursor = [], Cursor()
         for _ in range(steps):
@@ -282,17 +282,17 @@ class BenchData:
 
 def model_section() -> Any:
     """The benchmark's model section: BERT, 4 layers x 256, 4 heads, FFN 1024."""
-    from training.models import ModelConfig
+    from training.models.models import ModelConfig
 
     return ModelConfig(family="bert", size="mini", overrides=OVERRIDES)
 
 
 def build_bench_model(examples_dir: Path) -> Any:
-    """A freshly initialised model (seeded), exactly as `training.loop.Worker` builds it."""
+    """A fresh model (seeded), exactly as `training.pretrain.loop.Worker` builds it."""
     import torch
 
-    from training.data import read_manifest
-    from training.models import build_model
+    from training.models.models import build_model
+    from training.pretrain.data import read_manifest
 
     manifest = read_manifest(examples_dir)
     specials = manifest["specials"]
@@ -335,7 +335,7 @@ class PlainLoop:
         """Build the model (seeded as the loop builds it), the optimizer and the schedule."""
         import torch
 
-        from training.deepspeed import param_groups
+        from training.runtime.deepspeed import param_groups
 
         self.model = build_bench_model(Path(spec["examples_dir"])).train()
         groups = param_groups(self.model.named_parameters(), WEIGHT_DECAY)
@@ -352,7 +352,7 @@ class PlainLoop:
         """One optimizer step; add forward/backward/step seconds to `phases`; return the loss."""
         import torch
 
-        from training.forward import pretraining_loss
+        from training.pretrain.losses import pretraining_loss
 
         marks = [time.perf_counter()]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
@@ -438,7 +438,7 @@ def train_config(spec: dict[str, Any], storage: Path) -> Any:
 
     Evaluation and checkpoints happen only after the last step (outside the timed window).
     """
-    from training.config import CheckpointConfig, EvalConfig, ScaleConfig, TrainConfig
+    from training.pretrain.config import CheckpointConfig, EvalConfig, ScaleConfig, TrainConfig
 
     return TrainConfig(
         model=model_section(),
@@ -464,8 +464,8 @@ def train_config(spec: dict[str, Any], storage: Path) -> Any:
 
 def child_lmpipe_local(spec: dict[str, Any]) -> dict[str, Any]:
     """Run lmpipe's loop (`run_worker`) here: `LocalContext`, one gloo rank, no Ray."""
-    from training.context import LocalContext, init_single_process
-    from training.loop import WorkerJob, run_worker
+    from training.pretrain.loop import WorkerJob, run_worker
+    from training.runtime.context import LocalContext, init_single_process
 
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -483,8 +483,8 @@ def child_lmpipe_local(spec: dict[str, Any]) -> dict[str, Any]:
 
 def child_lmpipe_ray(spec: dict[str, Any]) -> dict[str, Any]:
     """Run lmpipe's loop on Ray Train (`run_training`): 1 worker, 2 CPUs, a local Ray."""
-    from tasks.ray_runtime import RayConfig
-    from training.trainer import run_id_for, run_training, storage_root
+    from tasks.common.ray_runtime import RayConfig
+    from training.runtime.launcher import run_id_for, run_training, storage_root
 
     workspace = Path(spec["run_dir"])
     examples, tokenizer = Path(spec["examples_dir"]), Path(spec["tokenizer_dir"])
@@ -511,7 +511,7 @@ def child_peak(spec: dict[str, Any]) -> dict[str, Any]:
     """The matmul peak of 2 threads in fp32 and bf16 (`telemetry.measure_peak_flops`)."""
     import torch
 
-    from training.telemetry import measure_peak_flops
+    from training.runtime.telemetry import measure_peak_flops
 
     seconds = spec.get("seconds", 2.0)
     return {
@@ -537,8 +537,8 @@ def child_ab(spec: dict[str, Any]) -> dict[str, Any]:
     steadier than between two subprocesses. lmpipe's phases are timed by wrapping its engine's
     `backward` and `step` and the loop's `pretraining_loss` (forward, including the loss).
     """
-    import training.loop as lmpipe_loop
-    from training.context import LocalContext, init_single_process
+    import training.pretrain.loop as lmpipe_loop
+    from training.runtime.context import LocalContext, init_single_process
 
     run_dir, steps = Path(spec["run_dir"]), spec["warmup"] + spec["steps"]
     job = lmpipe_loop.WorkerJob(
@@ -556,7 +556,7 @@ def child_ab(spec: dict[str, Any]) -> dict[str, Any]:
     lm = phases["lmpipe"]
     worker.engine.backward = _timed(worker.engine.backward, lm, "backward")
     worker.engine.step = _timed(worker.engine.step, lm, "step")
-    from training.forward import pretraining_loss
+    from training.pretrain.losses import pretraining_loss
 
     # The loop calls the name it imported into its module: wrap that one.
     setattr(lmpipe_loop, "pretraining_loss", _timed(pretraining_loss, lm, "forward"))  # noqa: B010
@@ -584,7 +584,7 @@ def child_plain_ray(spec: dict[str, Any]) -> dict[str, Any]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from tasks.ray_runtime import RayConfig, ensure_ray
+    from tasks.common.ray_runtime import RayConfig, ensure_ray
 
     ensure_ray(RayConfig(num_workers=1, num_cpus=THREADS))
     out = Path(spec["run_dir"]) / "plain_ray.json"
@@ -740,9 +740,9 @@ def summarize(raw: dict[str, Any], tokens: list[int], warmup: int, steps: int) -
 
 def flops(examples_dir: Path) -> dict[str, float]:
     """Training FLOPs per input token: sparse MLM (lmpipe, plain) and dense (Trainer's loss)."""
-    from training.data import read_manifest
-    from training.flops import flops_per_token
-    from training.models import model_config_for
+    from training.models.flops import flops_per_token
+    from training.models.models import model_config_for
+    from training.pretrain.data import read_manifest
 
     manifest = read_manifest(examples_dir)
     specials = manifest["specials"]

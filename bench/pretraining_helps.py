@@ -5,9 +5,9 @@ Usage: python bench/pretraining_helps.py [--fresh] [--seeds 0,1,2] [--task resid
                                          [recipe options: see --help; defaults = the recipe]
 
 Issue 6 acceptance ("pretraining must visibly help"). Writes the synthetic demo corpus
-(`tasks/synthetic.py`), runs the real data stages on it (ingest, WordPiece tokenizer, encode,
+(`tasks/demo/synthetic.py`), runs the real data stages on it (ingest, WordPiece tokenizer, encode,
 BERT examples with dynamic masking, on a local Ray) and pretrains once with lmpipe
-(`training.pretrain.pretrain_stage`: Ray Train with 2 workers, DeepSpeed ZeRO-2 on CPU, bf16;
+(`training.pretrain.stage.pretrain_stage`: Ray Train with 2 workers, DeepSpeed ZeRO-2 on CPU, bf16;
 MLflow off), which exports a Hugging Face directory. It then probes what the export knows
 (fill-mask "Tavor lives in [MASK]." over every person) and, per seed, fine-tunes
 `AutoModelForSequenceClassification` on the residence task ("Where does Tavor live?" -> one of
@@ -46,19 +46,19 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402
 
-from tasks.encode import EncodeConfig  # noqa: E402
-from tasks.encode_run import run_encode  # noqa: E402
-from tasks.examples import ExamplesConfig  # noqa: E402
-from tasks.examples_run import run_examples  # noqa: E402
-from tasks.ingest import IngestConfig  # noqa: E402
-from tasks.ingest_run import run_ingest  # noqa: E402
-from tasks.ray_runtime import RayConfig, ensure_ray  # noqa: E402
-from tasks.synthetic import SyntheticConfig, make_world, write_corpus  # noqa: E402
-from tasks.tokenizer import TokenizerConfig  # noqa: E402
-from tasks.tokenizer_run import run_tokenizer  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.pretrain import pretrain_stage  # noqa: E402
-from training.tracking import TrackingConfig  # noqa: E402
+from tasks.common.ray_runtime import RayConfig, ensure_ray  # noqa: E402
+from tasks.demo.synthetic import SyntheticConfig, make_world, write_corpus  # noqa: E402
+from tasks.encode.encode import EncodeConfig  # noqa: E402
+from tasks.encode.stage import run_encode  # noqa: E402
+from tasks.examples.examples import ExamplesConfig  # noqa: E402
+from tasks.examples.stage import run_examples  # noqa: E402
+from tasks.ingest.ingest import IngestConfig  # noqa: E402
+from tasks.ingest.stage import run_ingest  # noqa: E402
+from tasks.tokenizer.stage import run_tokenizer  # noqa: E402
+from tasks.tokenizer.tokenizer import TokenizerConfig  # noqa: E402
+from training.pretrain.config import TrainConfig  # noqa: E402
+from training.pretrain.stage import pretrain_stage  # noqa: E402
+from training.registry.tracking import TrackingConfig  # noqa: E402
 
 RAY = RayConfig(num_workers=2, num_cpus=4)
 Split = tuple[list[str], list[int]]

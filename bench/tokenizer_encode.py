@@ -50,10 +50,10 @@ import numpy as np  # noqa: E402 - after the environment and sys.path set-up abo
 import psutil  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from tasks import schema  # noqa: E402
-from tasks.io import read_ipc_stream  # noqa: E402
-from tasks.stage import shards_of  # noqa: E402
-from tasks.text import SentenceConfig, split_sentences  # noqa: E402
+from tasks.common import schema  # noqa: E402
+from tasks.common.io import read_ipc_stream  # noqa: E402
+from tasks.common.stage import shards_of  # noqa: E402
+from tasks.ingest.text import SentenceConfig, split_sentences  # noqa: E402
 
 CORES = os.cpu_count() or 1
 
@@ -159,7 +159,7 @@ def documents(ingest: Path, split: str | None) -> list[str]:
 
 
 def tokenizer_config(family: str, vocab: int, trainer: str = "sentencepiece") -> Any:
-    from tasks.tokenizer import TokenizerConfig
+    from tasks.tokenizer.tokenizer import TokenizerConfig
 
     return TokenizerConfig(
         family="unigram" if family.startswith("unigram") else family,  # type: ignore[arg-type]
@@ -173,10 +173,10 @@ def tokenizer_config(family: str, vocab: int, trainer: str = "sentencepiece") ->
 
 
 def phase_ingest(args: argparse.Namespace) -> dict[str, Any]:
-    from tasks.ingest import IngestConfig
-    from tasks.ingest_run import run_ingest
-    from tasks.ray_runtime import RayConfig
-    from tasks.sources import SourceConfig
+    from tasks.common.ray_runtime import RayConfig
+    from tasks.ingest.ingest import IngestConfig
+    from tasks.ingest.sources import SourceConfig
+    from tasks.ingest.stage import run_ingest
 
     cfg = IngestConfig(
         sources=[SourceConfig(path=str(args.corpus), format="jsonl")],
@@ -196,7 +196,7 @@ def phase_ingest(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_train_stage(args: argparse.Namespace) -> dict[str, Any]:
-    from tasks.tokenizer_run import run_tokenizer
+    from tasks.tokenizer.stage import run_tokenizer
 
     cfg = tokenizer_config(args.family, args.vocab)
     workspace = args.work / f"ws-{args.family}"
@@ -214,7 +214,7 @@ def phase_train_stage(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_train_direct(args: argparse.Namespace) -> dict[str, Any]:
-    from tasks.tokenizer import train_sentencepiece, train_tokenizer
+    from tasks.tokenizer.tokenizer import train_sentencepiece, train_tokenizer
 
     start = time.perf_counter()
     texts = documents(args.ingest, "train")
@@ -238,9 +238,9 @@ def phase_train_direct(args: argparse.Namespace) -> dict[str, Any]:
 def phase_encode_stage(args: argparse.Namespace, fast_ascii: bool = True) -> dict[str, Any]:
     import ray
 
-    from tasks.encode import EncodeConfig
-    from tasks.encode_run import run_encode
-    from tasks.ray_runtime import RayConfig, ensure_ray
+    from tasks.common.ray_runtime import RayConfig, ensure_ray
+    from tasks.encode.encode import EncodeConfig
+    from tasks.encode.stage import run_encode
 
     ray_cfg = RayConfig(num_workers=CORES)
     shutil.rmtree(args.work / "ws-enc", ignore_errors=True)
@@ -269,14 +269,14 @@ def phase_encode_stage_tokenizers(args: argparse.Namespace) -> dict[str, Any]:
 
 def _warm_worker(_: int) -> str:
     """Import what an encode task imports, so that the timed stage finds warm workers."""
-    import tasks.encode  # noqa: F401
+    import tasks.encode.encode  # noqa: F401
 
     return "warm"
 
 
 def phase_encode_stage_warm(args: argparse.Namespace) -> dict[str, Any]:
     """The encode stage on a Ray whose workers already run (as after an earlier stage)."""
-    from tasks.ray_runtime import RayConfig, ensure_ray, map_bounded
+    from tasks.common.ray_runtime import RayConfig, ensure_ray, map_bounded
 
     ensure_ray(RayConfig(num_workers=CORES))
     map_bounded(_warm_worker, list(range(4 * CORES)), CORES)

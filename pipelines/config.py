@@ -23,22 +23,22 @@ from pydantic import (
     model_validator,
 )
 
-from pipelines.deployments_config import DeploymentsConfig
-from pipelines.servers import ServersConfig
-from tasks.decontaminate import DecontaminateConfig
-from tasks.downstream_config import DatasetConfig, load_dataset_config, parse_yaml
-from tasks.encode import EncodeConfig
-from tasks.examples import ExamplesConfig
-from tasks.ingest import IngestConfig
-from tasks.io import redact_url
-from tasks.ray_runtime import RayConfig
-from tasks.tokenizer import TokenizerConfig
-from training.compare import CompareConfig
-from training.config import TrainConfig
-from training.evaluate import EvaluateConfig
-from training.finetune_config import FinetuneConfig
-from training.length_schedule import LengthScheduleError, check_length_schedule
-from training.tracking import TrackingConfig
+from pipelines.ops.deployments_config import DeploymentsConfig
+from pipelines.ops.servers import ServersConfig
+from tasks.common.io import redact_url
+from tasks.common.ray_runtime import RayConfig
+from tasks.decontaminate.decontaminate import DecontaminateConfig
+from tasks.downstream.config import DatasetConfig, load_dataset_config, parse_yaml
+from tasks.encode.encode import EncodeConfig
+from tasks.examples.examples import ExamplesConfig
+from tasks.ingest.ingest import IngestConfig
+from tasks.tokenizer.tokenizer import TokenizerConfig
+from training.evaluate.stage import EvaluateConfig
+from training.finetune.compare import CompareConfig
+from training.finetune.config import FinetuneConfig
+from training.pretrain.config import TrainConfig
+from training.pretrain.length_schedule import LengthScheduleError, check_length_schedule
+from training.registry.tracking import TrackingConfig
 
 
 class PrefectConfig(BaseModel):

@@ -47,7 +47,7 @@ def ray_session() -> Iterator[str]:
     """Start one local Ray for the whole session; yield its GCS address; stop exactly it."""
     import ray
 
-    from tasks.ray_runtime import RayConfig, ensure_ray
+    from tasks.common.ray_runtime import RayConfig, ensure_ray
 
     ensure_ray(RayConfig(num_workers=2, num_cpus=4))
     address = ray.get_runtime_context().gcs_address
@@ -144,13 +144,13 @@ def tiny_base_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     """A tiny seeded pretraining model and its tokenizer per family, saved as HF dirs."""
     import torch
 
-    from tasks.tokenizer import (
+    from tasks.tokenizer.tokenizer import (
         TokenizerConfig,
         padded_vocab_size,
         to_transformers,
         train_tokenizer,
     )
-    from training.models import ModelConfig, build_model
+    from training.models.models import ModelConfig, build_model
 
     dirs = {}
     for family, tok_args in _TINY_TOKENIZERS.items():
@@ -190,10 +190,10 @@ class DemoData:
     """Builds (once per session) the demo corpus's examples for an objective."""
 
     def __init__(self, root: Path) -> None:
-        from tasks.ingest import IngestConfig
-        from tasks.ingest_run import run_ingest
-        from tasks.ray_runtime import RayConfig
-        from tasks.synthetic import SyntheticConfig, write_corpus
+        from tasks.common.ray_runtime import RayConfig
+        from tasks.demo.synthetic import SyntheticConfig, write_corpus
+        from tasks.ingest.ingest import IngestConfig
+        from tasks.ingest.stage import run_ingest
 
         self.root = root
         self.ray = RayConfig(num_workers=2, num_cpus=4)
@@ -217,12 +217,12 @@ class DemoData:
         tok_args = tokenizer or _DEMO_TOKENIZER[objective]
         key = (objective, repr(sorted(tok_args.items())), repr(sorted(overrides.items())))
         if key not in _DEMO_BUILT:
-            from tasks.encode import EncodeConfig
-            from tasks.encode_run import run_encode
-            from tasks.examples import ExamplesConfig
-            from tasks.examples_run import run_examples
-            from tasks.tokenizer import TokenizerConfig
-            from tasks.tokenizer_run import run_tokenizer
+            from tasks.encode.encode import EncodeConfig
+            from tasks.encode.stage import run_encode
+            from tasks.examples.examples import ExamplesConfig
+            from tasks.examples.stage import run_examples
+            from tasks.tokenizer.stage import run_tokenizer
+            from tasks.tokenizer.tokenizer import TokenizerConfig
 
             tok_cfg = TokenizerConfig.model_validate(
                 {"vocab_size": 1024, "model_max_length": 512, **tok_args}
@@ -247,8 +247,8 @@ class DemoData:
         experiment: str = "pretrain-acceptance",
     ) -> dict[str, Any]:
         """`pretrain_stage` (seed 0, 2 workers on the session's Ray) on examples of `examples`."""
-        from training.pretrain import pretrain_stage
-        from training.tracking import TrackingConfig
+        from training.pretrain.stage import pretrain_stage
+        from training.registry.tracking import TrackingConfig
 
         tracking = TrackingConfig(tracking_uri=mlflow_uri, experiment=experiment)
         return pretrain_stage(

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from pipelines.config import ConfigError, load_config
-from tasks.io import public_dump
+from tasks.common.io import public_dump
 
 BASE = {"name": "t", "ingest": {"sources": [{"path": "corpus.txt"}]}}
 

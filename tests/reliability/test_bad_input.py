@@ -1,6 +1,6 @@
 """Bad input (issue 8): property-based tests over every reader of user-supplied input.
 
-The config loader (`pipelines.config`, `tasks.downstream_config`), the ingestion readers (txt,
+The config loader (`pipelines.config`, `tasks.downstream.config`), the ingestion readers (txt,
 jsonl, json, csv, tsv, parquet, compressed) and the downstream readers (csv, tsv, jsonl, json,
 conll, parquet) get generated input: random bytes, broken encodings, truncated gzip, wrong JSON
 types, missing fields, huge and empty lines, BOMs and NULs. For every input a reader either
@@ -37,14 +37,14 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from pipelines.config import ConfigError, RunConfig, load_config, read_recipe
-from tasks.downstream import load_downstream
-from tasks.downstream_config import DatasetConfig, DatasetConfigError, load_dataset_config
-from tasks.downstream_readers import DownstreamDataError
-from tasks.ingest import IngestConfig, UnitJob, process_unit
-from tasks.ingest_output import dedup_documents, load_keys, reconcile_counts, write_quarantine
-from tasks.io import read_ipc_stream
-from tasks.readers import plan_units
-from tasks.sources import InputError, SourceConfig, expand_source
+from tasks.common.io import read_ipc_stream
+from tasks.downstream.config import DatasetConfig, DatasetConfigError, load_dataset_config
+from tasks.downstream.downstream import load_downstream
+from tasks.downstream.readers import DownstreamDataError
+from tasks.ingest.ingest import IngestConfig, UnitJob, process_unit
+from tasks.ingest.output import dedup_documents, load_keys, reconcile_counts, write_quarantine
+from tasks.ingest.readers import plan_units
+from tasks.ingest.sources import InputError, SourceConfig, expand_source
 
 pytestmark = [pytest.mark.reliability]
 

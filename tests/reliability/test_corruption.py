@@ -21,18 +21,18 @@ import training_runs as runs
 from figures import FULL, record, record_row
 from training_runs import tiny_bert_config
 
-from tasks.encode import EncodeConfig
-from tasks.encode_run import run_encode
-from tasks.examples import ExamplesConfig
-from tasks.examples_run import run_examples
-from tasks.ray_runtime import RayConfig
-from tasks.stage import StageInputError, read_upstream, shards_of
-from tasks.tokenizer import TokenizerConfig
-from tasks.tokenizer_run import run_tokenizer
-from training import checkpoint as ckpt
-from training.data import DataError, ExampleShards
-from training.pretrain import export_checkpoint
-from training.trainer import TrainingRun
+from tasks.common.ray_runtime import RayConfig
+from tasks.common.stage import StageInputError, read_upstream, shards_of
+from tasks.encode.encode import EncodeConfig
+from tasks.encode.stage import run_encode
+from tasks.examples.examples import ExamplesConfig
+from tasks.examples.stage import run_examples
+from tasks.tokenizer.stage import run_tokenizer
+from tasks.tokenizer.tokenizer import TokenizerConfig
+from training.pretrain.data import DataError, ExampleShards
+from training.pretrain.stage import export_checkpoint
+from training.runtime import checkpoint as ckpt
+from training.runtime.launcher import TrainingRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
 
@@ -108,7 +108,7 @@ def test_a_damaged_checkpoint_is_never_loaded_and_the_previous_one_is_used(
         (newest.with_name(ckpt.checkpoint_name(EVERY)) / ckpt.META).read_text()
     )["config_hash"]
 
-    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="training.runtime.checkpoint"):
         found = ckpt.find_resumable(run_dir, newest, config_hash)
     assert found is not None
     assert found.path.name == ckpt.checkpoint_name(EVERY), "resume must take the previous one"

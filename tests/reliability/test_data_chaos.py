@@ -3,9 +3,9 @@
 A clean run builds every data stage once per module, in one workspace, while a watcher notes
 each stage's files as they appear. A trial deletes one stage's output there and starts that
 stage's `lmpipe` command in a subprocess connected to the session's Ray and Prefect API (the
-approach of tests/pipelines/test_kill_resume.py). At a random point of the stage's writing, drawn
-from the trial's own seeded RNG, it SIGKILLs either the driver (the subprocess's process group)
-or the Ray worker executing one of the stage's tasks at that moment (found by its PID, see
+approach of tests/pipelines/flows/test_kill_resume.py). At a random point of the stage's writing,
+drawn from the trial's own seeded RNG, it SIGKILLs either the driver (the subprocess's process
+group) or the Ray worker executing one of the stage's tasks at that moment (found by its PID, see
 `stage_worker`). The stage is then rerun in this process, as a user would rerun the command.
 Every output file must have the clean run's bytes (sha256), no file may ever have been visible
 under its final name with other bytes, and no temp or staging file may be left anywhere in the
@@ -39,11 +39,11 @@ import yaml
 from figures import FULL, REPO, record
 
 from pipelines.config import RunConfig, load_config
-from tasks.encode_run import run_encode
-from tasks.examples_run import run_examples
-from tasks.ingest_run import run_ingest
-from tasks.stage import StageResult
-from tasks.synthetic import SyntheticConfig, write_corpus
+from tasks.common.stage import StageResult
+from tasks.demo.synthetic import SyntheticConfig, write_corpus
+from tasks.encode.stage import run_encode
+from tasks.examples.stage import run_examples
+from tasks.ingest.stage import run_ingest
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
 
@@ -166,9 +166,9 @@ def temps_under(root: Path) -> list[str]:
 
 def stage_flows() -> dict[str, Callable[[RunConfig], dict[str, dict[str, Any]]]]:
     """The flow a user reruns for each stage (it reuses the finished stages before it)."""
-    from pipelines.encode_flow import encode_flow
-    from pipelines.examples_flow import examples_flow
-    from pipelines.ingest_flow import ingest_flow
+    from pipelines.flows.encode_flow import encode_flow
+    from pipelines.flows.examples_flow import examples_flow
+    from pipelines.flows.ingest_flow import ingest_flow
 
     return {"ingest": ingest_flow, "encode": encode_flow, "examples": examples_flow}
 
@@ -262,7 +262,14 @@ def start_stage(
     """
     with open(log, "wb") as sink:
         return subprocess.Popen(
-            [sys.executable, "-m", "pipelines.cli", stage, str(clean.recipe), *clean.overrides],
+            [
+                sys.executable,
+                "-m",
+                "pipelines.cli.main",
+                stage,
+                str(clean.recipe),
+                *clean.overrides,
+            ],
             env=os.environ | {"PREFECT_API_URL": prefect_api},
             start_new_session=True,  # its group is exactly what a driver kill takes down
             stdout=sink,

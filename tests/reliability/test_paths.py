@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from pipelines.config import ConfigError, load_config
-from tasks.io import UnsafePathError, read_downstream_dir, safe_join, safe_name
+from tasks.common.io import UnsafePathError, read_downstream_dir, safe_join, safe_name
 
 pytestmark = [pytest.mark.reliability]
 
@@ -85,7 +85,7 @@ def test_run_name_that_is_not_one_plain_segment_is_refused(tmp_path: Path, name:
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "..", "%2e%2e", "\uff0e\uff0e", "a\\b"])
 def test_downstream_task_name_is_refused(name: str) -> None:
-    from tasks.downstream_config import DatasetConfig
+    from tasks.downstream.config import DatasetConfig
 
     with pytest.raises(ValueError, match="letters, digits"):
         DatasetConfig.model_validate(
@@ -100,9 +100,9 @@ def test_downstream_task_name_is_refused(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["../../outside", "a/b", "..", "%2e%2e", "x\x00", "\u2025"])
 def test_registered_model_name_is_refused_before_mlflow(tmp_path: Path, name: str) -> None:
-    from training.finetune import resolve_base_model
-    from training.finetune_config import BaseModelRef
-    from training.registry import ModelVersionRef, download_model, resolve_version
+    from training.finetune.config import BaseModelRef
+    from training.finetune.stage import resolve_base_model
+    from training.registry.registry import ModelVersionRef, download_model, resolve_version
 
     missing = f"sqlite:///{tmp_path / 'no-such-dir' / 'mlflow.db'}"  # never opened
     with pytest.raises(UnsafePathError):
@@ -131,8 +131,8 @@ def test_downstream_manifest_file_names_cannot_escape(tmp_path: Path, name: str)
 
 @pytest.mark.parametrize("name", ["../x.arrow", "/etc/passwd", "%2e%2e/x", "\uff0e\uff0e/x"])
 def test_example_and_stage_manifest_names_cannot_escape(tmp_path: Path, name: str) -> None:
-    from tasks.stage import files_complete
-    from training.data import ExampleShards
+    from tasks.common.stage import files_complete
+    from training.pretrain.data import ExampleShards
 
     examples = tmp_path / "examples"
     examples.mkdir()
@@ -151,7 +151,7 @@ def test_example_and_stage_manifest_names_cannot_escape(tmp_path: Path, name: st
 
 @pytest.mark.parametrize("binary", ["../../outside", "/etc", "%2e%2e/outside", "model/../.."])
 def test_registry_mlmodel_cannot_name_directories_outside(tmp_path: Path, binary: str) -> None:
-    from training.registry import _flatten_flavor
+    from training.registry.registry import _flatten_flavor
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -166,7 +166,7 @@ def test_registry_mlmodel_cannot_name_directories_outside(tmp_path: Path, binary
 
 
 def test_registry_download_with_a_symlink_is_refused(tmp_path: Path) -> None:
-    from training.registry import _flatten_flavor
+    from training.registry.registry import _flatten_flavor
 
     download = tmp_path / "dl"
     (download / "model").mkdir(parents=True)
@@ -178,7 +178,7 @@ def test_registry_download_with_a_symlink_is_refused(tmp_path: Path) -> None:
 
 
 def test_gc_never_deletes_through_a_symlink(tmp_path: Path) -> None:
-    from pipelines.gc import apply_plan, plan_gc
+    from pipelines.ops.gc import apply_plan, plan_gc
 
     outside = tmp_path / "outside"
     (outside / "data").mkdir(parents=True)
@@ -200,7 +200,7 @@ def test_gc_never_deletes_through_a_symlink(tmp_path: Path) -> None:
 
 
 def test_gc_refuses_a_stage_directory_that_links_outside(tmp_path: Path) -> None:
-    from pipelines.gc import apply_plan, plan_gc
+    from pipelines.ops.gc import apply_plan, plan_gc
 
     outside = tmp_path / "outside"
     (outside / "0123456789abcdef").mkdir(parents=True)
@@ -218,8 +218,8 @@ def test_gc_refuses_a_stage_directory_that_links_outside(tmp_path: Path) -> None
 
 
 def test_checkpoint_meta_file_names_cannot_escape(tmp_path: Path) -> None:
-    from tasks.io import sha256_file
-    from training import checkpoint as ckpt
+    from tasks.common.io import sha256_file
+    from training.runtime import checkpoint as ckpt
 
     outside = tmp_path / "outside.txt"
     outside.write_text("x")

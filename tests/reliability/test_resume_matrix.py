@@ -4,8 +4,8 @@ A run is stopped (`stop_at_step`, a checkpoint at that step) mid-epoch in epoch 
 epoch boundary, or mid-epoch in a later epoch, then resumed with 1 or 2 workers. The committed
 sample history must be exactly the global order's: every step's global batch, in order, none
 missing, none twice. A ZeRO checkpoint resumed at another worker count goes through DeepSpeed's
-universal format (training/loop.py `_load_resharded`), and the resumed weights must give the
-reference-batch loss saved with the checkpoint. ZeRO-2 runs every case; ZeRO-3 (whose weights
+universal format (training/pretrain/loop.py `_load_resharded`), and the resumed weights must give
+the reference-batch loss saved with the checkpoint. ZeRO-2 runs every case; ZeRO-3 (whose weights
 are partitioned too) the resharded ones.
 
 `make test` runs two cases: ZeRO-2 stopped mid-epoch 1 at 2 workers, resumed at 1 (a later
@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from figures import FULL, record_row
 
-from tasks.ray_runtime import RayConfig
-from training.config import TrainConfig
-from training.data import Cursor, ExampleShards, GlobalOrder
-from training.trainer import run_training
+from tasks.common.ray_runtime import RayConfig
+from training.pretrain.config import TrainConfig
+from training.pretrain.data import Cursor, ExampleShards, GlobalOrder
+from training.runtime.launcher import run_training
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
 

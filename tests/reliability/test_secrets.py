@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from pipelines.config import ConfigError, RunConfig, load_config
-from tasks.io import public_dump, redact_url
+from tasks.common.io import public_dump, redact_url
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.integration]
 
@@ -161,7 +161,7 @@ def test_canary_secrets_never_leave_the_process(
 ) -> None:
     from prefect.settings import get_current_settings
 
-    from pipelines.ingest_flow import ingest_flow
+    from pipelines.flows.ingest_flow import ingest_flow
 
     for name in ENV_SECRETS:
         monkeypatch.setenv(name, f"{canary}-env-{name}")

@@ -24,11 +24,16 @@ import torch
 import yaml
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from tasks.tokenizer import PretrainedFiles, TokenizerConfig, load_tokenizer_files
-from training import checkpoint as ckpt
-from training.evaluate import EvaluateConfig, evaluate_model
-from training.export import UnsafeWeightsError, load_export, load_external_weights, reload_check
-from training.task_models import TaskSpec, load_task_model
+from tasks.tokenizer.tokenizer import PretrainedFiles, TokenizerConfig, load_tokenizer_files
+from training.evaluate.stage import EvaluateConfig, evaluate_model
+from training.models.export import (
+    UnsafeWeightsError,
+    load_export,
+    load_external_weights,
+    reload_check,
+)
+from training.models.task_models import TaskSpec, load_task_model
+from training.runtime import checkpoint as ckpt
 
 pytestmark = [pytest.mark.reliability]
 
@@ -200,8 +205,8 @@ TAMPERINGS = {
 
 @pytest.mark.parametrize("how", list(TAMPERINGS))
 def test_tampered_checkpoint_is_never_unpickled(tmp_path: Path, marker: Path, how: str) -> None:
-    from pipelines.cli import main
-    from training.pretrain import export_checkpoint
+    from pipelines.cli.main import main
+    from training.pretrain.stage import export_checkpoint
 
     run_dir = tmp_path / "run"
     path = committed_checkpoint(run_dir)
@@ -228,7 +233,7 @@ def test_checkpoint_without_meta_is_never_unpickled(tmp_path: Path, marker: Path
 
 
 def test_rng_state_round_trips_with_weights_only(tmp_path: Path) -> None:
-    # What `training/loop.py` restores with `weights_only=False` today loads under
+    # What `training/pretrain/loop.py` restores with `weights_only=False` today loads under
     # `weights_only=True` too (torch 2.13 allows numpy arrays and dtypes), and restores exactly.
     torch.save(ckpt.rng_state(), tmp_path / "rng.pt")
     expected = torch.rand(3)
@@ -273,9 +278,9 @@ def planted_registry(tmp_path: Path, marker: Path, mlflow_uri: str) -> tuple[str
 def test_registry_model_with_pickle_weights_is_refused(
     tmp_path: Path, marker: Path, mlflow_uri: str, planted_registry: tuple[str, str]
 ) -> None:
-    from training.finetune import resolve_base_model
-    from training.finetune_config import BaseModelRef
-    from training.registry import download_model, register_export, resolve_version
+    from training.finetune.config import BaseModelRef
+    from training.finetune.stage import resolve_base_model
+    from training.registry.registry import download_model, register_export, resolve_version
 
     name, run_id = planted_registry
     ref = resolve_version(mlflow_uri, name, "candidate")
@@ -296,8 +301,8 @@ def test_registry_model_with_pickle_weights_is_refused(
 # -- static checks ---------------------------------------------------------------------------
 
 # Allowed exceptions: (file, enclosing function, call). Each one runs only on a checkpoint
-# that `training.checkpoint.validate` has just hashed against its meta.json.
-# TODO(security): training/loop.py can pass weights_only=True (see
+# that `training.runtime.checkpoint.validate` has just hashed against its meta.json.
+# TODO(security): training/pretrain/loop.py can pass weights_only=True (see
 # test_rng_state_round_trips_with_weights_only); drop this entry when it does (#8).
 ALLOWED: set[tuple[str, str, str]] = set()  # every torch.load in the tree is weights_only
 _UNSAFE_CALLS = {
@@ -365,7 +370,7 @@ def unsafe_loads(source: str, file: str) -> list[tuple[str, str, str]]:
                 findings.append((file, where, f"{name} without use_safetensors=True"))
             if not _is_true(_keyword(node, "local_files_only")):
                 findings.append((file, where, f"{name} without local_files_only=True"))
-        if name.endswith(".load_checkpoint") and file != "training/loop.py":
+        if name.endswith(".load_checkpoint") and file != "training/pretrain/loop.py":
             findings.append((file, where, f"{name} outside the validated resume path"))
     return findings
 
@@ -389,7 +394,7 @@ def test_deepspeed_loads_its_pickles_only_behind_validation() -> None:
     # DeepSpeed's load_checkpoint unpickles; it reads a checkpoint that rank 0 chose with
     # find_resumable (every file hashed against meta.json) earlier in `restore`, the one
     # method from which every loading method of the worker is reached.
-    tree = ast.parse((REPO / "training/loop.py").read_text())
+    tree = ast.parse((REPO / "training/pretrain/loop.py").read_text())
     methods = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     calls = {name: _calls_in_source_order(fn) for name, fn in methods.items()}
     primitives = {"torch.load", "self.engine.load_checkpoint"}
@@ -434,7 +439,7 @@ def test_static_check_catches_unsafe_snippets(snippet: str, finding: str) -> Non
 def test_exports_and_downloads_hold_no_pickle(tmp_path: Path) -> None:
     # The registry's download refuses a flattened model with any pickle file, even beside
     # safetensors (an export never writes one).
-    from training.export import assert_safetensors_only
+    from training.models.export import assert_safetensors_only
 
     model_dir = tiny_gpt2_dir(tmp_path / "m", safetensors=True)
     assert_safetensors_only(model_dir)

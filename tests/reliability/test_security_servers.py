@@ -4,7 +4,7 @@ Started here, once per module and side by side (each in its own process group, p
 under a temp dir, traffic to 127.0.0.1 only, stopped by pid and group):
 
 - Prefect and MLflow through `start_servers` (`lmpipe up`) on 127.0.0.1 with both auths on. The
-  same start without auth is `tests/pipelines/test_servers.py::test_up_binds_loopback_only_...`,
+  same start without auth is `tests/pipelines/ops/test_servers.py::test_up_binds_loopback_only_...`,
   which checks its sockets too; refusals of a non-loopback host without auth are there as well.
 - lmpipe's local Ray: a driver process that calls `ensure_ray` exactly as the stages do.
 - A Ray head as docs/cluster.md starts one (`ray start --head`, token auth, dashboard on
@@ -42,9 +42,9 @@ import psutil
 import pytest
 from figures import record
 
-from pipelines.cli_servers import servers_from_recipe
+from pipelines.cli.servers import servers_from_recipe
 from pipelines.config import ConfigError
-from pipelines.servers import (
+from pipelines.ops.servers import (
     MLFLOW_LEGACY_DEFAULT_PASSWORD,
     ServersConfig,
     ServersError,
@@ -53,7 +53,7 @@ from pipelines.servers import (
     start_servers,
     stop_servers,
 )
-from tasks.ray_runtime import RayAuthError, RayConfig, ensure_ray, ray_auth_problem
+from tasks.common.ray_runtime import RayAuthError, RayConfig, ensure_ray, ray_auth_problem
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
 
@@ -204,7 +204,7 @@ def _ray_env(root: Path) -> tuple[dict[str, str], str]:
 _LMPIPE_DRIVER = """
 import json, sys
 import ray
-from tasks.ray_runtime import RayConfig, ensure_ray
+from tasks.common.ray_runtime import RayConfig, ensure_ray
 ensure_ray(RayConfig(num_workers=1, num_cpus=1, object_store_mb=80))
 node = ray.nodes()[0]
 ip = ray.get(ray.remote(lambda: ray.util.get_node_ip_address()).remote())

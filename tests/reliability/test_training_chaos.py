@@ -4,8 +4,8 @@ more faults than `max_failures` allows.
 Real Ray Train (2 workers on the session's Ray), real DeepSpeed (ZeRO-2, fp32, CPU). Every
 faulty run is compared with one uninterrupted run of the same config: the committed history of
 consumed sample ids (a replayed step's later line wins) and the final weights must be equal.
-Kills come from `training/faults.py` (the worker SIGKILLs itself at an exact point) or from this
-test (an external SIGKILL of the rank's PID once the run has reached a step).
+Kills come from `training/runtime/faults.py` (the worker SIGKILLs itself at an exact point) or from
+this test (an external SIGKILL of the rank's PID once the run has reached a step).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import training_runs as runs
 from figures import record, record_row, trials
 from training_runs import tiny_bert_config
 
-from training import checkpoint as ckpt
-from training.config import TrainConfig
-from training.export import gather_state_dict
-from training.faults import SAVE_POINTS, FaultPlan, FaultPoint
-from training.trainer import TrainingRun
+from training.models.export import gather_state_dict
+from training.pretrain.config import TrainConfig
+from training.runtime import checkpoint as ckpt
+from training.runtime.faults import SAVE_POINTS, FaultPlan, FaultPoint
+from training.runtime.launcher import TrainingRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
 
@@ -166,7 +166,7 @@ def test_random_worker_kill_loses_and_repeats_no_sample(
     marker = tmp_path / "fired"
     started = time.time()
     if point == "external":
-        from training.trainer import run_id_for
+        from training.runtime.launcher import run_id_for
 
         cfg = chaos_config(storage)
         data = clean["data"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tasks.ray_runtime import RayConfig
-from training.config import TrainConfig
-from training.trainer import TrainingRun, run_training
+from tasks.common.ray_runtime import RayConfig
+from training.pretrain.config import TrainConfig
+from training.runtime.launcher import TrainingRun, run_training
 
 
 def tiny_bert_config(

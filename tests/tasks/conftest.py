@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from tasks.tokenizer import PretrainedFiles, TokenizerConfig, load_tokenizer_files
+from tasks.tokenizer.tokenizer import PretrainedFiles, TokenizerConfig, load_tokenizer_files
 
 
 @pytest.fixture(scope="session")

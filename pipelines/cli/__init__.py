@@ -1,0 +1,1 @@
+"""The `lmpipe` command line: one module per command group."""

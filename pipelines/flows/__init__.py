@@ -1,0 +1,1 @@
+"""The Prefect flows (one per module), their steps, stage tracking, summaries."""

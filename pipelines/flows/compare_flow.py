@@ -1,0 +1,51 @@
+"""The `compare` flow: several strategies x seeds on one task, one table, one MLflow experiment."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from prefect import flow
+
+from pipelines.config import RunConfig, load_config
+from pipelines.flows.finetune_flow import prepare_task, upstream
+from pipelines.flows.steps import base_model
+from pipelines.ops.runtime import resolve_environment
+from training.finetune.compare import compare_task
+from training.finetune.stage import finetune_task
+
+
+@flow(name="compare")
+def compare_flow(cfg: RunConfig) -> dict[str, Any]:
+    """Fine-tune each `compare.entries` strategy once per seed and compare them.
+
+    Every run goes to the experiment `compare.experiment` (default `<experiment>-compare`),
+    with a summary run holding the table (mean and spread over seeds, trainable parameters,
+    time) and its bar chart; the table is also a Prefect artifact.
+    """
+    cfg = resolve_environment(cfg)
+    experiment = cfg.compare.experiment or f"{cfg.tracking.experiment}-compare"
+    tracking = cfg.tracking.model_copy(update={"experiment": experiment})
+    data = prepare_task(cfg)
+    model_dir, lineage = base_model(cfg, upstream(cfg))
+    names, summaries = [], []
+    for entry in cfg.compare.entries:
+        update = {
+            "strategy": entry.strategy,
+            "random_init": entry.random_init,
+            "register_model": False,
+        }
+        finetune = cfg.finetune.model_copy(update=update)
+        for seed in cfg.compare.seeds:
+            args = (finetune, seed, data["path"], model_dir, str(cfg.workspace), cfg.ray)
+            summaries.append(finetune_task(*args, tracking, cfg.name, lineage))
+            names.append(entry.name())
+    out = cfg.workspace / "compare" / data["fingerprint"]
+    rows = compare_task(
+        names, summaries, cfg.compare.metric, str(out), tracking, str(cfg.workspace), cfg.name
+    )
+    return {"downstream": data, "compare": {"rows": rows, "report_dir": str(out)}}
+
+
+if __name__ == "__main__":
+    compare_flow(load_config(sys.argv[1], sys.argv[2:]))

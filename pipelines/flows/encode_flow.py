@@ -1,0 +1,27 @@
+"""The `encode` flow: ingest, decontaminate and tokenizer (reused when done) → token shards."""
+
+from __future__ import annotations
+
+import sys
+
+from prefect import flow
+
+from pipelines.config import RunConfig, load_config
+from pipelines.flows.steps import Stages, encode_step
+from pipelines.flows.tokenizer_flow import tokenizer_flow
+from pipelines.ops.runtime import resolve_environment
+
+
+@flow(name="encode")
+def encode_flow(cfg: RunConfig) -> Stages:
+    """Run the stages up to the tokenizer, then encode the corpus; returns each stage's summary.
+
+    The corpus is the one the tokenizer trained on (decontaminated when that is enabled).
+    """
+    cfg = resolve_environment(cfg)
+    stages = tokenizer_flow(cfg)
+    return stages | encode_step(cfg, stages)
+
+
+if __name__ == "__main__":
+    encode_flow(load_config(sys.argv[1], sys.argv[2:]))

@@ -1,0 +1,24 @@
+"""The `examples` flow: the stages up to encoding (reused when done) → pretraining examples."""
+
+from __future__ import annotations
+
+import sys
+
+from prefect import flow
+
+from pipelines.config import RunConfig, load_config
+from pipelines.flows.encode_flow import encode_flow
+from pipelines.flows.steps import Stages, examples_step
+from pipelines.ops.runtime import resolve_environment
+
+
+@flow(name="examples")
+def examples_flow(cfg: RunConfig) -> Stages:
+    """Run the upstream stages, then cut the examples; returns each stage's summary."""
+    cfg = resolve_environment(cfg)
+    stages = encode_flow(cfg)
+    return stages | examples_step(cfg, stages)
+
+
+if __name__ == "__main__":
+    examples_flow(load_config(sys.argv[1], sys.argv[2:]))

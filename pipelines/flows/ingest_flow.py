@@ -1,0 +1,22 @@
+"""The `ingest` flow: raw corpus files → cleaned, deduplicated, split Arrow shards."""
+
+from __future__ import annotations
+
+import sys
+
+from prefect import flow
+
+from pipelines.config import RunConfig, load_config
+from pipelines.flows.steps import Stages, ingest_step
+from pipelines.ops.runtime import resolve_environment
+
+
+@flow(name="ingest")
+def ingest_flow(cfg: RunConfig) -> Stages:
+    """Ingest the corpus into fingerprinted Arrow shards; returns `{"ingest": summary}`."""
+    cfg = resolve_environment(cfg)
+    return ingest_step(cfg, {})
+
+
+if __name__ == "__main__":
+    ingest_flow(load_config(sys.argv[1], sys.argv[2:]))

@@ -1,0 +1,139 @@
+"""MLflow records of a run: a finished data stage, a reused stage, the pipeline's parent run."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
+
+from pipelines.config import RunConfig
+from tasks.common.io import atomic_writer, public_dump
+from training.registry.tracking import MlflowTracker, open_run, set_run_status, stage_run
+
+
+@task(name="track-stage", cache_policy=NO_CACHE)
+def track_stage_task(result: dict[str, Any], cfg: RunConfig) -> str | None:
+    """Log a finished stage to MLflow: params, metrics, manifest, config and its artifacts.
+
+    The params are the stage's config section; the metrics and the files logged as artifacts
+    are those the manifest lists (`metrics`, `artifacts`). A reused output (a cache hit) gets
+    a complete run too, tagged `lmpipe.reused=true`, so the newest run of a stage always holds
+    its files. Nothing in the output directory is rewritten when it is reused, so every file
+    keeps its modification time. Returns the MLflow run id (None when tracking is off).
+    """
+    out = Path(result["path"])
+    stage = result["stage"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    tags = {
+        "lmpipe.stage": stage,
+        "lmpipe.fingerprint": result["fingerprint"],
+        "lmpipe.reused": str(result["reused"]).lower(),
+        "lmpipe.git_commit": str(manifest["code"].get("git_commit")),
+        **{f"lmpipe.{k}": str(v) for k, v in manifest.get("tags", {}).items()},
+    }
+    assert cfg.tracking.tracking_uri is not None  # filled by resolve_environment
+    with stage_run(
+        cfg.tracking, cfg.tracking.tracking_uri, Path(cfg.workspace), f"{cfg.name}-{stage}", tags
+    ) as tracker:
+        config = public_dump(cfg)
+        tracker.log_params({stage: config[stage], "name": cfg.name, "seed": cfg.seed})
+        tracker.log_metrics(manifest["metrics"])
+        tracker.log_artifact(out / "manifest.json", "manifest")
+        config_file = out / "run_config.yaml"
+        if not result["reused"] or not config_file.is_file():
+            with atomic_writer(config_file, "w") as handle:
+                handle.write(yaml.safe_dump(config, sort_keys=False))
+        tracker.log_artifact(config_file, "config")
+        for name in manifest.get("artifacts", []):
+            tracker.log_artifact(out / name, stage)
+        get_run_logger().info("MLflow run %s", tracker.run_id)
+        return tracker.run_id
+
+
+@task(name="record-stage", cache_policy=NO_CACHE)
+def record_stage_task(
+    cfg: RunConfig,
+    stage: str,
+    result: dict[str, Any],
+    params: dict[str, Any] | None = None,
+    metrics: dict[str, float] | None = None,
+) -> str | None:
+    """Record a stage that keeps no MLflow run of its own, or a reused one, as an MLflow run.
+
+    Used for the downstream preparation and for cache hits of training and evaluation. The
+    run is tagged with the stage, `lmpipe.reused` and the fingerprint; a reused stage points at
+    the run that built its output (`lmpipe.source_run`) and names its registered model.
+    Returns the new run's id (None when tracking is off).
+    """
+    tags = {"lmpipe.stage": stage, "lmpipe.reused": str(bool(result.get("reused"))).lower()}
+    if result.get("fingerprint"):
+        tags["lmpipe.fingerprint"] = str(result["fingerprint"])
+    if result.get("reused"):
+        tags["lmpipe.source_run"] = str(result.get("mlflow_run_id"))
+    if result.get("model_name"):
+        tags["lmpipe.model"] = f"{result['model_name']}/{result.get('model_version')}"
+    assert cfg.tracking.tracking_uri is not None  # filled by resolve_environment
+    with stage_run(
+        cfg.tracking, cfg.tracking.tracking_uri, Path(cfg.workspace), f"{cfg.name}-{stage}", tags
+    ) as tracker:
+        if params:
+            tracker.log_params(params)
+        if metrics is None:
+            tests = {f"test_{k}": v for k, v in (result.get("test") or {}).items()}
+            metrics = {k: float(v) for k, v in ((result.get("metrics") or {}) | tests).items()}
+        tracker.log_metrics(metrics)
+        return tracker.run_id
+
+
+@contextmanager
+def pipeline_run(cfg: RunConfig) -> Iterator[RunConfig]:
+    """Open the pipeline's parent MLflow run; yield the config that nests stage runs under it.
+
+    The run is named `<name>-pipeline`, holds the whole config as params, and ends FINISHED,
+    or FAILED when a stage raises. With tracking off, the config is yielded unchanged.
+    """
+    uri = cfg.tracking.tracking_uri
+    if not cfg.tracking.enabled or uri is None:
+        yield cfg
+        return
+    context = FlowRunContext.get()
+    flow_run = str(context.flow_run.id) if context and context.flow_run else "none"
+    tags = {"lmpipe.stage": "pipeline", "lmpipe.prefect_flow_run": flow_run}
+    run_id = open_run(cfg.tracking, uri, Path(cfg.workspace), f"{cfg.name}-pipeline", tags)
+    try:
+        MlflowTracker(uri, run_id).log_params(public_dump(cfg))
+        tracking = cfg.tracking.model_copy(update={"parent_run_id": run_id})
+        yield cfg.model_copy(update={"tracking": tracking})
+    except BaseException:
+        set_run_status(uri, run_id, "FAILED")
+        raise
+    set_run_status(uri, run_id, "FINISHED")
+
+
+def record_pipeline(cfg: RunConfig, stages: dict[str, dict[str, Any]], markdown: str) -> None:
+    """Log the pipeline's outcome to its parent run: cache hits, models, the summary."""
+    uri, run_id = cfg.tracking.tracking_uri, cfg.tracking.parent_run_id
+    if not cfg.tracking.enabled or uri is None or run_id is None:
+        return
+    tracker = MlflowTracker(uri, run_id)
+    reused = [name for name, s in stages.items() if s.get("reused")]
+    tracker.log_metrics({"stages": len(stages), "stages_reused": len(reused)})
+    tags = {"lmpipe.stages_reused": ",".join(reused) or "-"}
+    for name, summary in stages.items():
+        if summary.get("mlflow_run_id"):
+            tags[f"lmpipe.run.{name}"] = str(summary["mlflow_run_id"])
+        if summary.get("model_name"):
+            tags[f"lmpipe.model.{name}"] = f"{summary['model_name']}/{summary['model_version']}"
+    tracker.set_tags(tags)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "pipeline_summary.md"
+        path.write_text(markdown, encoding="utf-8")
+        tracker.log_artifact(path, "summary")

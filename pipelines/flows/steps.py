@@ -1,0 +1,201 @@
+"""The pipeline's stages as steps: each runs one stage's Prefect task on the stages before it.
+
+A step takes the run config and the summaries of the stages already run (`Stages`, keyed by
+stage name) and returns its own. Every summary says where the output is, whether it was
+`reused` (a cache hit: the stage's fingerprint over its inputs, config section and code matched
+a complete output in the workspace) and its MLflow run. The stage flows and the `pipeline` flow
+are compositions of these steps, so caching has one mechanism, the workspace fingerprint check:
+Prefect's own task cache is off for every stage task (`NO_CACHE`).
+
+Each step also publishes its stage's Markdown summary as a Prefect artifact
+(`pipelines/flows/summary.py`). The data stages and the downstream preparation are retried with
+exponential back-off on a transient failure (`prefect.retries`); they are idempotent, a retry
+resumes from the parts already committed. Training retries its workers through Ray Train
+(`train.scale.max_failures`) instead, from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ParamSpec, TypeVar
+
+from prefect import Task
+from prefect.tasks import exponential_backoff
+
+from pipelines.config import ConfigError, RunConfig
+from pipelines.flows.stage_tracking import record_stage_task, track_stage_task
+from pipelines.flows.summary import publish_stage
+from tasks.common.io import public_dump
+from tasks.decontaminate.stage import decontaminate_task
+from tasks.downstream.stage import prepare_downstream_task
+from tasks.encode.stage import encode_task
+from tasks.examples.stage import examples_task
+from tasks.ingest.stage import ingest_task
+from tasks.tokenizer.stage import tokenizer_task
+from training.evaluate.stage import evaluate_task
+from training.finetune.stage import finetune_task, resolve_base_model_task
+from training.pretrain.stage import pretrain_task
+
+Stages = dict[str, dict[str, Any]]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def retrying(task: Task[P, R], cfg: RunConfig) -> Task[P, R]:
+    """The task with the run's retry policy: `prefect.retries`, exponential back-off."""
+    if cfg.prefect.retries == 0:
+        return task
+    return task.with_options(
+        retries=cfg.prefect.retries,
+        retry_delay_seconds=exponential_backoff(backoff_factor=cfg.prefect.retry_delay_s),
+        retry_jitter_factor=0.5,
+    )
+
+
+def corpus_path(stages: Stages) -> str:
+    """Return the corpus the stages after ingestion read: decontaminated when that stage ran."""
+    return str(stages.get("decontaminate", stages["ingest"])["path"])
+
+
+def _tracked(cfg: RunConfig, result: dict[str, Any]) -> Stages:
+    """Log a data stage's result to MLflow, publish its summary; return `{stage: summary}`."""
+    summary = result | {"mlflow_run_id": retrying(track_stage_task, cfg)(result, cfg)}
+    publish_stage(cfg, result["stage"], summary)
+    return {result["stage"]: summary}
+
+
+def ingest_step(cfg: RunConfig, stages: Stages) -> Stages:
+    """Ingest the corpus into fingerprinted Arrow shards (`{"ingest": summary}`)."""
+    if cfg.ingest is None:
+        raise ConfigError("this command needs an `ingest` section (the corpus to read)")
+    return _tracked(cfg, retrying(ingest_task, cfg)(cfg.ingest, cfg.ray, str(cfg.workspace)))
+
+
+def decontaminate_step(cfg: RunConfig, stages: Stages) -> Stages:
+    """Remove documents that overlap the evaluation sets, when `decontaminate.enabled`."""
+    if not cfg.decontaminate.enabled:
+        return {}
+    task = retrying(decontaminate_task, cfg)
+    return _tracked(cfg, task(cfg.decontaminate, stages["ingest"]["path"], str(cfg.workspace)))
+
+
+def tokenizer_step(cfg: RunConfig, stages: Stages) -> Stages:
+    """Train or load the tokenizer on the corpus."""
+    task = retrying(tokenizer_task, cfg)
+    return _tracked(cfg, task(cfg.tokenizer, corpus_path(stages), str(cfg.workspace)))
+
+
+def encode_step(cfg: RunConfig, stages: Stages) -> Stages:
+    """Encode the corpus the tokenizer trained on into token shards."""
+    tokenizer = stages["tokenizer"]["path"]
+    task = retrying(encode_task, cfg)
+    return _tracked(
+        cfg, task(cfg.encode, cfg.ray, corpus_path(stages), tokenizer, str(cfg.workspace))
+    )
+
+
+def examples_step(cfg: RunConfig, stages: Stages) -> Stages:
+    """Cut the encoded corpus into pretraining examples of `examples.objective`."""
+    encode, tokenizer = stages["encode"]["path"], stages["tokenizer"]["path"]
+    task = retrying(examples_task, cfg)
+    return _tracked(
+        cfg, task(cfg.examples, cfg.seed, cfg.ray, encode, tokenizer, str(cfg.workspace))
+    )
+
+
+def pretrain_step(cfg: RunConfig, stages: Stages, resume: bool = False) -> Stages:
+    """Pretrain, export to Hugging Face format and register the model (reused when done)."""
+    examples, tokenizer = stages["examples"]["path"], stages["tokenizer"]["path"]
+    result = pretrain_task(
+        cfg.train,
+        cfg.seed,
+        examples,
+        tokenizer,
+        str(cfg.workspace),
+        cfg.ray,
+        cfg.tracking,
+        cfg.name,
+        resume,
+    )
+    return _trained(cfg, "pretrain", result)
+
+
+def _trained(cfg: RunConfig, stage: str, result: dict[str, Any]) -> Stages:
+    """Record a training stage's cache hit in MLflow, publish its summary."""
+    if result.get("reused"):
+        result = result | {"mlflow_run_id": record_stage_task(cfg, stage, result)}
+    publish_stage(cfg, stage, result)
+    return {stage: result}
+
+
+def downstream_step(cfg: RunConfig, stages: Stages) -> Stages:
+    """Prepare (or reuse) the configured downstream task under `<workspace>/downstream/`."""
+    if cfg.task is None:
+        raise ConfigError("this command needs a `task` section (the downstream dataset)")
+    dataset = cfg.task.resolved()
+    out = cfg.workspace / "downstream" / dataset.name
+    task = retrying(prepare_downstream_task, cfg)
+    result = task(dataset, str(cfg.task.base_dir), str(out))
+    rows = {f"{split}_rows": float(entry["rows"]) for split, entry in result["splits"].items()}
+    params = {"task": public_dump(dataset)}
+    run_id = retrying(record_stage_task, cfg)(cfg, "downstream", result, params, rows)
+    result = result | {"mlflow_run_id": run_id}
+    publish_stage(cfg, "downstream", result)
+    return {"downstream": result}
+
+
+def base_model(cfg: RunConfig, stages: Stages) -> tuple[str, dict[str, str]]:
+    """The model to fine-tune or evaluate, and the lineage tags that name it.
+
+    `finetune.base` when set (a local directory or a registry version), else the model the
+    `pretrain` stage in `stages` exported.
+    """
+    if cfg.finetune.base is not None:
+        path, lineage = resolve_base_model_task(cfg.finetune.base, cfg.tracking, str(cfg.workspace))
+        return path, lineage
+    if "pretrain" not in stages:
+        raise ConfigError("no base model: set `finetune.base` or run the pretrain stage first")
+    pre = stages["pretrain"]
+    lineage = {
+        "base_model_name": str(pre.get("model_name")),
+        "base_model_version": str(pre.get("model_version")),
+        "base_model_path": str(pre["export_dir"]),
+    }
+    return str(pre["export_dir"]), lineage
+
+
+def finetune_step(cfg: RunConfig, stages: Stages) -> Stages:
+    """Fine-tune the base model on the prepared task; export and register it with lineage."""
+    model_dir, lineage = base_model(cfg, stages)
+    result = finetune_task(
+        cfg.finetune,
+        cfg.seed,
+        stages["downstream"]["path"],
+        model_dir,
+        str(cfg.workspace),
+        cfg.ray,
+        cfg.tracking,
+        cfg.name,
+        lineage,
+    )
+    return _trained(cfg, "finetune", result)
+
+
+def evaluate_step(cfg: RunConfig, stages: Stages) -> Stages:
+    """Evaluate the base model (and report the fine-tuned one when the pipeline made it)."""
+    model_dir, _ = base_model(cfg, stages)
+    examples = None
+    if "examples" in stages and cfg.finetune.base is None:
+        examples = (stages["examples"]["path"], stages["tokenizer"]["path"])
+    task_dir = stages["downstream"]["path"] if "downstream" in stages else None
+    result = retrying(evaluate_task, cfg)(
+        model_dir,
+        cfg.evaluate,
+        cfg.tracking,
+        str(cfg.workspace),
+        cfg.name,
+        cfg.seed,
+        examples,
+        task_dir,
+        stages.get("finetune"),
+    )
+    return _trained(cfg, "evaluate", result | {"report_dir": result["path"]})

@@ -1,0 +1,1 @@
+"""Operating the stack: local servers, deployments, Ray job submission, gc, environment."""

@@ -1,0 +1,53 @@
+"""Entry-point plumbing: environment variables in, resolved settings out.
+
+This is the only place (with `infra/`) that reads environment variables: the usual ones
+(`RAY_ADDRESS`, `MLFLOW_TRACKING_URI`, `PREFECT_API_URL`, ...) fill config keys left unset.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from pipelines.config import RunConfig
+from tasks.common.ray_runtime import check_storage
+from training.registry.tracking import local_tracking_uri
+
+log = logging.getLogger(__name__)
+
+
+def resolve_environment(cfg: RunConfig) -> RunConfig:
+    """Fill unset service addresses from the environment and export what clients read.
+
+    Ray 2.60 clients that name an address need `RAY_AUTH_MODE=token` (STACK_NOTES §0.3); a
+    Prefect API URL and MLflow credentials from the config are exported for their clients.
+
+    Raises:
+        StorageError: the workspace is a local path, the cluster has several nodes and
+            `ray.shared_storage` is false (`tasks.common.ray_runtime.check_storage`).
+    """
+    env = os.environ
+    ray = (
+        cfg.ray
+        if cfg.ray.address or not env.get("RAY_ADDRESS")
+        else cfg.ray.model_copy(update={"address": env["RAY_ADDRESS"]})
+    )
+    tracking = cfg.tracking
+    if tracking.tracking_uri is None:
+        uri = env.get("MLFLOW_TRACKING_URI") or local_tracking_uri(cfg.workspace)
+        tracking = tracking.model_copy(update={"tracking_uri": uri})
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if cfg.prefect.api_url:
+        env["PREFECT_API_URL"] = cfg.prefect.api_url
+    if cfg.prefect.api_key is not None:
+        env["PREFECT_API_KEY"] = cfg.prefect.api_key.get_secret_value()
+    if tracking.username:
+        env["MLFLOW_TRACKING_USERNAME"] = tracking.username
+    if tracking.password is not None:
+        env["MLFLOW_TRACKING_PASSWORD"] = tracking.password.get_secret_value()
+    workspace = Path(os.path.abspath(cfg.workspace))
+    # A local workspace on a multi-node cluster is refused unless the config says it is shared.
+    check_storage(ray, str(workspace))
+    workspace.mkdir(parents=True, exist_ok=True)
+    return cfg.model_copy(update={"ray": ray, "tracking": tracking, "workspace": workspace})

@@ -1,0 +1,203 @@
+"""What every stage output shares: its result handle, manifest checks and directory commits.
+
+A stage writes `<workspace>/<stage>/<fingerprint>/` with `manifest.json` last. An output is
+complete when its manifest exists and every file it lists has the recorded size; anything else
+is rebuilt (or resumed, where the stage stages its parts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.common.io import safe_join, sha256_file
+from tasks.common.schema import SCHEMA_VERSION
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """Where a stage's output is, its manifest, and whether it was reused as it was."""
+
+    path: Path
+    manifest: dict[str, Any]
+    reused: bool
+
+    def summary(self) -> dict[str, Any]:
+        """The small dict a Prefect task returns: stage, path, fingerprint, reused."""
+        return {
+            "stage": self.manifest["stage"],
+            "path": str(self.path),
+            "fingerprint": self.manifest["fingerprint"],
+            "reused": self.reused,
+        }
+
+
+class StageInputError(ValueError):
+    """An upstream output is missing, incomplete or of the wrong stage."""
+
+
+def file_entry(root: Path, path: Path) -> dict[str, Any]:
+    """Describe one output file for a manifest: name relative to `root`, bytes, sha256."""
+    return {
+        "name": path.relative_to(root).as_posix(),
+        "bytes": path.stat().st_size,
+        "sha256": sha256_file(path),
+    }
+
+
+def files_complete(out: Path, entries: list[dict[str, Any]]) -> bool:
+    """True when every listed file exists under `out` with its recorded size."""
+    for entry in entries:
+        path = safe_join(out, entry["name"], what="manifest file")
+        if not path.is_file() or path.stat().st_size != entry["bytes"]:
+            return False
+    return True
+
+
+def complete_manifest(out: Path, files_key: str = "files") -> dict[str, Any] | None:
+    """Return the manifest of `out` if the output is complete, else None."""
+    path = out / "manifest.json"
+    if not path.is_file():
+        return None
+    manifest: dict[str, Any] = json.loads(path.read_text())
+    return manifest if files_complete(out, manifest[files_key]) else None
+
+
+def read_upstream(path: Path | str, stage: str) -> dict[str, Any]:
+    """Load the manifest of a finished upstream output, checking its stage.
+
+    Raises:
+        StageInputError: no manifest there (not run, or interrupted), or another stage's.
+    """
+    manifest_path = Path(path) / "manifest.json"
+    if not manifest_path.is_file():
+        raise StageInputError(f"{manifest_path}: no {stage} output here (not run or unfinished)")
+    manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+    if manifest.get("stage") != stage:
+        raise StageInputError(f"{manifest_path}: a {manifest.get('stage')!r} output, not {stage}")
+    return manifest
+
+
+def shards_of(
+    manifest: dict[str, Any], split: str | None = None
+) -> list[tuple[str, dict[str, Any]]]:
+    """List `(split, shard entry)` of a sharded output, in split then shard order."""
+    return [
+        (name, shard)
+        for name, entry in manifest["splits"].items()
+        if split is None or name == split
+        for shard in entry["shards"]
+    ]
+
+
+def temp_dir_beside(out: Path) -> Path:
+    """Create an empty temp directory next to `out`, to be committed with `commit_dir`."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_dir(tmp: Path, out: Path) -> None:
+    """Move a fully written temp directory to `out`, replacing an incomplete leftover there."""
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def remove_stale_temps(out: Path) -> None:
+    """Delete the temp directories and files that killed runs of `out` left beside it."""
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        _remove(stale)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def sweep_leftovers(out: Path) -> None:
+    """Delete what interrupted work left inside a finished output: `_staging/` and temp files.
+
+    A finished output (its manifest written) can still hold them: its run was killed after the
+    manifest but before this sweep, or a Ray worker was killed mid-write and its task retried
+    on another worker, which leaves the dead worker's temp file beside the shard the retry
+    wrote (issue 8, tests/reliability/test_data_chaos.py). So a stage sweeps once its manifest
+    is written, and again whenever it reuses the output.
+    """
+    shutil.rmtree(out / "_staging", ignore_errors=True)
+    for stale in out.glob(".*.tmp-*"):
+        _remove(stale)
+
+
+def manifest_header(
+    stage: str, fp: str, config: dict[str, Any], code: dict[str, Any], inputs: dict[str, Any]
+) -> dict[str, Any]:
+    """The keys every stage manifest starts with: what, which version, from what, by what code."""
+    return {
+        "stage": stage,
+        "schema_version": SCHEMA_VERSION,
+        "fingerprint": fp,
+        "config": config,
+        "code": code,
+        "inputs": inputs,
+    }
+
+
+def complete_sharded(out: Path) -> dict[str, Any] | None:
+    """The manifest of a complete sharded output (every split's shards present), else None."""
+    path = out / "manifest.json"
+    if not path.is_file():
+        return None
+    manifest: dict[str, Any] = json.loads(path.read_text())
+    return manifest if files_complete(out, [s for _, s in shards_of(manifest)]) else None
+
+
+def open_staging(out: Path) -> Path:
+    """Create `out/_staging/` and delete the temp files a killed run left in either."""
+    staging = out / "_staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob(".*.tmp-*"), *staging.glob(".*.tmp-*")]:
+        stale.unlink(missing_ok=True)  # never read as outputs
+    return staging
+
+
+def verify_shards(root: Path, entries: list[dict[str, Any]], stage: str) -> None:
+    """Check every listed shard of an upstream `stage` output against its manifest entry.
+
+    A stage reads its input shards only after this: a flipped byte would otherwise flow into
+    tokens or examples without a trace. The hashes run on a thread per core (hashlib releases
+    the GIL), one read of the input, small next to the work the stage then does with it.
+
+    Raises:
+        StageInputError: a shard is missing, has another size, or another sha256 than
+            `<root>/manifest.json` records; the message names the file and how to rebuild it.
+    """
+
+    def problem(entry: dict[str, Any]) -> str | None:
+        path = safe_join(root, entry["name"], what=f"{stage} shard")
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size != entry["bytes"]:
+            return f"{path}: {path.stat().st_size} bytes, the manifest says {entry['bytes']}"
+        if sha256_file(path) != entry["sha256"]:
+            return (
+                f"{path}: sha256 differs from the manifest (the file changed after it was written)"
+            )
+        return None
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        found = [p for p in pool.map(problem, entries) if p is not None]
+    if found:
+        raise StageInputError(
+            f"corrupt {stage} output {root}: {'; '.join(found[:3])}"
+            + (f" (and {len(found) - 3} more)" if len(found) > 3 else "")
+            + f". Delete {root} and rerun the {stage} stage to rebuild it."
+        )

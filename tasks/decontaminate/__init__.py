@@ -1,0 +1,1 @@
+"""Decontamination: drop documents that overlap downstream eval sets."""

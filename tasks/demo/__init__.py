@@ -1,0 +1,1 @@
+"""The deterministic synthetic demo corpus and the labelled tasks drawn from it."""

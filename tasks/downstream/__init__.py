@@ -1,0 +1,1 @@
+"""Downstream datasets described by config: readers, checks, and the stage."""

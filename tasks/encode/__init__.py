@@ -1,0 +1,1 @@
+"""Corpus encoding: documents to token ids per sentence, and the encode stage."""

@@ -1,0 +1,211 @@
+"""The encode stage driver: ingest shards → token shards, on Ray; statistics; manifest.
+
+Layout of one output, `<workspace>/encode/<fingerprint>/`: token shards named after the ingest
+shard they come from and their part (`train-g0-00000-p0000.arrow` holds that shard's first
+`shard_documents` documents, ...), `tokens_per_document.png` and `manifest.json`, written
+last. `_staging/` holds each finished shard's statistics while a run is in progress, so an
+interrupted run resumes with the shards it had not finished.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from tokenizers import Tokenizer
+
+from tasks.common import schema
+from tasks.common.io import (
+    atomic_writer,
+    code_version,
+    fingerprint,
+    public_dump,
+    safe_join,
+    write_json_atomic,
+)
+from tasks.common.progress import Reporter, make_reporter, ticker
+from tasks.common.ray_runtime import RayConfig, ensure_ray, map_bounded
+from tasks.common.stage import (
+    StageResult,
+    complete_sharded,
+    manifest_header,
+    open_staging,
+    read_upstream,
+    shards_of,
+    sweep_leftovers,
+    verify_shards,
+)
+from tasks.encode.encode import (
+    HISTOGRAM_EDGES,
+    EncodeConfig,
+    EncodeJob,
+    encode_shard,
+    id_type,
+    merge_stats,
+)
+from tasks.tokenizer.tokenizer import unknown_id
+
+STAGE = "encode"
+HISTOGRAM_PNG = "tokens_per_document.png"
+
+
+def run_encode(
+    cfg: EncodeConfig,
+    ray_cfg: RayConfig,
+    ingest_dir: Path,
+    tokenizer_dir: Path,
+    workspace: Path,
+    progress: Reporter | None = None,
+) -> StageResult:
+    """Encode every split of an ingest output with a tokenizer output, on Ray.
+
+    A complete output with the same fingerprint (ingest, tokenizer, config, code) is reused.
+    """
+    started = time.monotonic()
+    ingest = read_upstream(ingest_dir, "ingest")
+    tokenizer = read_upstream(tokenizer_dir, "tokenizer")
+    config = public_dump(cfg)
+    code = code_version("tasks")
+    inputs = {"ingest": ingest["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
+    fp = fingerprint({"inputs": inputs, "config": config, "code": code["source_hash"]})
+    out = workspace / STAGE / fp
+    done = complete_sharded(out)
+    if done is not None:
+        sweep_leftovers(out)
+        return StageResult(out, done, reused=True)
+    verify_shards(ingest_dir, [s for _, s in shards_of(ingest)], "ingest")
+    staging = open_staging(out)
+    tok_file = tokenizer_dir / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tok_file))
+    ids = id_type(tok.get_vocab_size(with_added_tokens=True), cfg)
+    unk_id = unknown_id(tok)
+    parts = [
+        (split, shard, start, min(start + cfg.shard_documents, shard["rows"]), k)
+        for split, shard in shards_of(ingest)
+        for k, start in enumerate(range(0, max(shard["rows"], 1), cfg.shard_documents))
+    ]
+    jobs = []
+    for _, shard, start, stop, k in parts:
+        name = f"{shard['name'].removesuffix('.arrow')}-p{k:04d}.arrow"
+        jobs.append(
+            EncodeJob(
+                src=str(safe_join(ingest_dir, shard["name"], what="ingest shard")),
+                start=start,
+                stop=stop,
+                dst=str(safe_join(out, name, what="token shard")),
+                stats=str(staging / f"{name}.json"),
+                tokenizer=str(tok_file),
+                ids=str(ids),
+                unk_id=unk_id,
+                cfg=cfg,
+            )
+        )
+    ensure_ray(ray_cfg)
+    tick = ticker(progress, "encode", len(jobs))
+    sizes = [job.stop - job.start for job in jobs]
+    results = map_bounded(encode_shard, jobs, ray_cfg.num_workers, on_done=tick, sizes=sizes)
+    splits: dict[str, Any] = {
+        name: {"rows": 0, "tokens": 0, "shards": []} for name in ingest["splits"]
+    }
+    total: dict[str, Any] = {}
+    for (split, shard, start, stop, _), job, stats in zip(parts, jobs, results, strict=True):
+        splits[split]["shards"].append(
+            {
+                "name": Path(job.dst).name,
+                "rows": stats["documents"],
+                "tokens": stats["tokens"],
+                "bytes": stats["bytes"],
+                "sha256": stats["sha256"],
+                "source": {"shard": shard["name"], "start": start, "stop": stop},
+            }
+        )
+        splits[split]["rows"] += stats["documents"]
+        splits[split]["tokens"] += stats["tokens"]
+        total = merge_stats(total, {k: v for k, v in stats.items() if k not in ("bytes", "sha256")})
+    plot_histogram(total, out / HISTOGRAM_PNG)
+    manifest = {
+        **manifest_header(STAGE, fp, config, code, inputs),
+        "ingest": {"fingerprint": ingest["fingerprint"], "path": str(ingest_dir)},
+        "tokenizer": {"fingerprint": tokenizer["fingerprint"], "path": str(tokenizer_dir)},
+        "schema": [str(f) for f in schema.tokens_schema(ids)],
+        "dtype": str(ids),
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "splits": splits,
+        "histogram": {"edges": HISTOGRAM_EDGES.tolist(), "documents": total["histogram"]},
+        "artifacts": [HISTOGRAM_PNG],
+        "metrics": summary_metrics(total) | {"elapsed_s": round(time.monotonic() - started, 3)},
+    }
+    write_json_atomic(out / "manifest.json", manifest)
+    sweep_leftovers(out)
+    return StageResult(out, manifest, reused=False)
+
+
+def summary_metrics(total: dict[str, Any]) -> dict[str, float]:
+    """The stage's headline figures: counts, unknown-token rate, characters per token."""
+    tokens = max(total["tokens"], 1)
+    documents = max(total["documents"], 1)
+    return {
+        "documents": total["documents"],
+        "sentences": total["sentences"],
+        "tokens": total["tokens"],
+        "characters": total["characters"],
+        "unknown_tokens": total["unknown_tokens"],
+        "unknown_rate": total["unknown_tokens"] / tokens,
+        "documents_with_unknown": total["documents_with_unknown"],
+        "characters_per_token": total["characters"] / tokens,
+        "tokens_per_document_mean": total["tokens"] / documents,
+        "tokens_per_document_max": total["max_tokens_per_document"],
+    }
+
+
+def plot_histogram(total: dict[str, Any], path: Path) -> None:
+    """Draw the tokens-per-document histogram (log-spaced bins) as a PNG, atomically."""
+    # Imported here: matplotlib costs every `lmpipe` command's start, and only this plot needs it.
+    from matplotlib.figure import Figure
+
+    counts = np.asarray(total["histogram"])
+    used = np.flatnonzero(counts)
+    figure = Figure(figsize=(8, 4.5), dpi=100)
+    axes = figure.subplots()
+    if len(used):
+        lo, hi = used[0], used[-1] + 1
+        # Bin i spans [edge i, edge i+1); the last bin is open, drawn one quarter octave wide.
+        right = np.append(HISTOGRAM_EDGES[1:], HISTOGRAM_EDGES[-1] * 2**0.25)
+        edges = np.append(HISTOGRAM_EDGES[lo:hi], right[hi - 1])
+        axes.stairs(counts[lo:hi], np.maximum(edges, 0.5), fill=True)
+        axes.set_xscale("log")
+    axes.set_xlabel("tokens per document (log scale)")
+    axes.set_ylabel("documents")
+    axes.set_title(
+        f"{total['documents']:,} documents, {total['tokens']:,} tokens, "
+        f"mean {total['tokens'] / max(total['documents'], 1):,.1f} per document"
+    )
+    figure.tight_layout()
+    with atomic_writer(path) as handle:
+        figure.savefig(handle, format="png")
+
+
+@task(name="encode", cache_policy=NO_CACHE)
+def encode_task(
+    cfg: EncodeConfig, ray_cfg: RayConfig, ingest_dir: str, tokenizer_dir: str, workspace: str
+) -> dict[str, Any]:
+    """Encode the corpus into token shards (or reuse a complete output); return its summary."""
+    logger = get_run_logger()
+    result = run_encode(
+        cfg, ray_cfg, Path(ingest_dir), Path(tokenizer_dir), Path(workspace), make_reporter(logger)
+    )
+    metrics = result.manifest["metrics"]
+    logger.info(
+        "encode %s: %s, %s documents, %s tokens, %.2f characters per token, unknown rate %.2e",
+        result.manifest["fingerprint"],
+        "reused" if result.reused else "built",
+        metrics["documents"],
+        metrics["tokens"],
+        metrics["characters_per_token"],
+        metrics["unknown_rate"],
+    )
+    return result.summary()

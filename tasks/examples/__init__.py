@@ -1,0 +1,1 @@
+"""Pretraining examples: cutting and packing, the objective cores, inspection, the stage."""

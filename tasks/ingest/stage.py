@@ -1,0 +1,257 @@
+"""The ingestion driver: plan units, run them on Ray, dedup, cut shards, write the manifest.
+
+Layout of one output, `<workspace>/ingest/<fingerprint>/`:
+`{split}-g{generation}-{index:05d}.arrow` shards (Arrow IPC stream), `quarantine.jsonl`,
+`dedup_index.arrow` (hashes and signatures of kept documents, for incremental ingests) and
+`manifest.json`, written last. `_staging/` holds per-unit results while a run is in progress.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import xxhash
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.common import schema
+from tasks.common.io import (
+    code_version,
+    fingerprint,
+    public_dump,
+    read_ipc_stream,
+    safe_join,
+    write_json_atomic,
+)
+from tasks.common.progress import make_reporter, ticker
+from tasks.common.ray_runtime import RayConfig, ensure_ray, map_bounded
+from tasks.common.stage import StageResult, files_complete, sweep_leftovers
+from tasks.ingest.ingest import (
+    IngestConfig,
+    UnitJob,
+    assign_split,
+    process_unit,
+    write_shard,
+)
+from tasks.ingest.output import (
+    dedup_documents,
+    ingest_metrics,
+    load_keys,
+    mixture,
+    reconcile_counts,
+    shard_jobs,
+    split_entries,
+    write_dedup_index,
+    write_quarantine,
+)
+from tasks.ingest.readers import plan_units
+from tasks.ingest.sources import InputFile, WorkUnit, expand_source
+from tasks.ingest.text import resolve_splitter
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str, int, int], None]
+STAGE = "ingest"
+
+
+def public_config(cfg: IngestConfig) -> dict[str, Any]:
+    """Dump `cfg` for manifests and tracking, with every secret left out."""
+    return public_dump(cfg)  # type: ignore[no-any-return]
+
+
+def file_fingerprint(file: InputFile, storage: dict[str, str]) -> str:
+    """Hash an input's bytes (every file of a saved dataset) with xxh3-128."""
+    digest = xxhash.xxh3_128()
+    paths = [file.uri]
+    if file.format == "hf_disk":
+        fs, root = fsspec.core.url_to_fs(file.uri, **storage)
+        paths = sorted(fs.find(root))
+    for path in paths:
+        with fsspec.open(path, "rb", **storage) as handle:
+            while chunk := handle.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _inputs(cfg: IngestConfig) -> tuple[list[InputFile], dict[str, dict[str, str]]]:
+    files = [f for i, source in enumerate(cfg.sources) for f in expand_source(source, i)]
+    storage = {s.display_name(): s.fs_options() for s in cfg.sources}
+    return files, storage
+
+
+def _source_key(cfg: IngestConfig, name: str) -> str:
+    source = next(s for s in cfg.sources if s.display_name() == name)
+    return fingerprint(
+        source.model_dump(mode="json", exclude={"path", "weight", "storage_options"})
+    )
+
+
+def run_ingest(
+    cfg: IngestConfig, ray_cfg: RayConfig, workspace: Path, progress: Progress | None = None
+) -> StageResult:
+    """Ingest the configured sources into `<workspace>/ingest/<fingerprint>/`.
+
+    A complete output with the same fingerprint (inputs' bytes, config, code) is reused as it is;
+    an interrupted one resumes from its staged units. With `incremental`, a previous output whose
+    inputs are a subset of these is extended: only new files are read, old shards are kept.
+    """
+    started = time.monotonic()
+    resolve_splitter(cfg.sentences)  # a plug-in that cannot be imported is refused up front
+    files, storage = _inputs(cfg)
+    inputs = [
+        {
+            "source": f.source,
+            "uri": f.uri,
+            "rel": f.rel,
+            "format": f.format,
+            "compression": f.compression,
+            "size": f.size,
+            "xxh3_128": file_fingerprint(f, storage[f.source]),
+            "source_key": _source_key(cfg, f.source),
+        }
+        for f in files
+    ]
+    code = code_version("tasks")
+    source_hash = str(code["source_hash"])
+    config = public_config(cfg)
+    fp = fingerprint({"inputs": inputs, "config": config, "code": source_hash})
+    out = workspace / STAGE / fp
+    if (out / "manifest.json").exists():
+        manifest = json.loads((out / "manifest.json").read_text())
+        if _complete(out, manifest):
+            sweep_leftovers(out)
+            return StageResult(out, manifest, reused=True)
+    base = _previous(workspace, cfg, config, source_hash, inputs) if cfg.incremental else None
+    done_uris = {i["uri"] for i in base["inputs"]} if base else set()
+    new_files = [f for f in files if f.uri not in done_uris]
+    staging = out / "_staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob(".*.tmp-*"), *staging.glob(".*.tmp-*")]:
+        stale.unlink(missing_ok=True)  # temp files of a killed run; never read as outputs
+    unit_bytes = max(int(cfg.unit_size_mb * (1 << 20)), 1)
+    units = _plan(new_files, cfg, unit_bytes, storage)
+    ensure_ray(ray_cfg)
+    tick = ticker(progress, "read", len(units))
+    summaries = map_bounded(
+        process_unit,
+        [UnitJob(u, cfg, str(staging), storage[u.file.source]) for u in units],
+        ray_cfg.num_workers,
+        on_done=tick,
+    )
+    manifest = {
+        "stage": STAGE,
+        "schema_version": schema.SCHEMA_VERSION,
+        "fingerprint": fp,
+        "schema": [str(f) for f in schema.DOCUMENTS],
+        "config": config,
+        "code": code,
+        "incremental_key": fingerprint({k: v for k, v in config.items() if k != "sources"}),
+        "inputs": inputs,
+        **_finish(out, cfg, ray_cfg, units, summaries, base, progress),
+        "elapsed_s": round(time.monotonic() - started, 3),
+    }
+    manifest["metrics"] = ingest_metrics(manifest)
+    write_json_atomic(out / "manifest.json", manifest)
+    sweep_leftovers(out)
+    return StageResult(out, manifest, reused=False)
+
+
+def _plan(
+    files: list[InputFile], cfg: IngestConfig, unit_bytes: int, storage: dict[str, dict[str, str]]
+) -> list[WorkUnit]:
+    units: list[WorkUnit] = []
+    for source in cfg.sources:
+        mine = [f for f in files if f.source == source.display_name()]
+        for unit in plan_units(mine, source.txt_mode, unit_bytes, storage):
+            units.append(WorkUnit(len(units), unit.file, unit.start, unit.end, unit.binary))
+    return units
+
+
+def _complete(out: Path, manifest: dict[str, Any]) -> bool:
+    files = [s for split in manifest["splits"].values() for s in split["shards"]]
+    return files_complete(out, [*files, manifest["quarantine"], manifest["dedup_index"]])
+
+
+def _previous(
+    workspace: Path,
+    cfg: IngestConfig,
+    config: dict[str, Any],
+    code: str,
+    inputs: list[dict[str, Any]],
+) -> dict[str, Any] | None:
+    """Find the newest complete ingest that this one can extend (same settings, fewer inputs)."""
+    key = fingerprint({k: v for k, v in config.items() if k != "sources"})
+    current = {(i["uri"], i["xxh3_128"], i["source_key"]) for i in inputs}
+    best = None
+    for path in sorted((workspace / STAGE).glob("*/manifest.json")):
+        manifest = json.loads(path.read_text())
+        old = {(i["uri"], i["xxh3_128"], i["source_key"]) for i in manifest["inputs"]}
+        if manifest.get("incremental_key") != key or manifest["code"]["source_hash"] != code:
+            continue
+        if (
+            old < current
+            and _complete(path.parent, manifest)
+            and (best is None or len(old) > len(best["inputs"]))
+        ):
+            best = manifest | {"path": str(path.parent)}
+    return best
+
+
+def _finish(
+    out: Path,
+    cfg: IngestConfig,
+    ray_cfg: RayConfig,
+    units: list[WorkUnit],
+    summaries: list[dict[str, Any]],
+    base: dict[str, Any] | None,
+    progress: Progress | None,
+) -> dict[str, Any]:
+    """Dedup, then write the shards, the quarantine and the dedup index.
+
+    Returns the manifest entries they produce (splits, counts, files, mixture).
+    """
+    keys = load_keys(out / "_staging", units, cfg.dedup.near.enabled)
+    prior = None
+    if base:
+        prior = read_ipc_stream(safe_join(Path(base["path"]), base["dedup_index"]["name"]))
+    dedup = dedup_documents(keys, cfg.dedup, prior)
+    generation = (base["generation"] + 1) if base else 0
+    split_of = assign_split(keys.hi, cfg.split)
+    jobs, names = shard_jobs(out, units, summaries, keys, dedup.keep, split_of, cfg, generation)
+    tick = ticker(progress, "write", len(jobs))
+    written = map_bounded(write_shard, jobs, ray_cfg.num_workers, on_done=tick)
+    return {
+        "generation": generation,
+        "extends": base["fingerprint"] if base else None,
+        "splits": split_entries(out, base, names, written),
+        "quarantine": write_quarantine(out, units, summaries, base),
+        "dedup_index": write_dedup_index(out, keys, dedup.keep, prior),
+        "counts": reconcile_counts(summaries, base, dedup),
+        "sources": mixture(cfg, units, dedup.keep, keys.sizes, base),
+        "units": len(units),
+        "ray_workers": ray_cfg.num_workers,
+    }
+
+
+@task(name="ingest", cache_policy=NO_CACHE)
+def ingest_task(cfg: IngestConfig, ray_cfg: RayConfig, workspace: str) -> dict[str, Any]:
+    """Run ingestion (or reuse a complete output with the same fingerprint); return its summary.
+
+    Caching is lmpipe's fingerprint check inside `run_ingest`, not Prefect's result cache: the
+    fingerprint covers the inputs' bytes, which Prefect's input hashing cannot see.
+    """
+    logger = get_run_logger()
+    result = run_ingest(cfg, ray_cfg, Path(workspace), progress=make_reporter(logger))
+    counts = result.manifest["counts"]
+    logger.info(
+        "ingest %s: %s (%s)",
+        result.manifest["fingerprint"],
+        "reused" if result.reused else "built",
+        counts,
+    )
+    return result.summary()

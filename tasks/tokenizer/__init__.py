@@ -1,0 +1,1 @@
+"""Tokenizers of three families, the byte-level encoder, language sampling, the stage."""

@@ -1,0 +1,426 @@
+"""Tokenizers of the three families: build, train, load your own, and wrap for transformers.
+
+- WordPiece (BERT): `[PAD] [UNK] [CLS] [SEP] [MASK]`, BERT normalisation, `##` continuation,
+  `[CLS] A [SEP] B [SEP]` with token type ids.
+- Byte-level BPE: GPT-2 style (`<|endoftext|>`, never an unknown token) or RoBERTa style
+  (`<s> <pad> </s> <unk> <mask>`, `<s> A </s></s> B </s>`).
+- Unigram (T5, SentencePiece-style `▁`): `<pad>=0 </s>=1 <unk>=2`, and 100 sentinels at the top
+  of the vocabulary, counted down: `<extra_id_0>` has the highest id.
+
+Pure functions over texts and files: no Ray, Prefect or MLflow here.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+import sentencepiece as spm
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sentencepiece import sentencepiece_model_pb2
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import trainers as tk_trainers
+from transformers import PreTrainedTokenizerFast
+
+from tasks.tokenizer.language_sampling import LanguageSamplingConfig
+
+Family = Literal["wordpiece", "bpe", "unigram"]
+
+WORDPIECE_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+GPT2_SPECIALS = ["<|endoftext|>"]
+ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+T5_SPECIALS = ["<pad>", "</s>", "<unk>"]
+
+
+class PretrainedFiles(BaseModel):
+    """Bring your own tokenizer instead of training one (local files only)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    tokenizer_json: str | None = Field(None, description="A `tokenizers` tokenizer.json.")
+    vocab_txt: str | None = Field(None, description="A BERT WordPiece vocab.txt.")
+    vocab_json: str | None = Field(None, description="GPT-2 vocab.json / encoder.json.")
+    merges: str | None = Field(None, description="GPT-2 merges.txt / vocab.bpe.")
+    spm_model: str | None = Field(
+        None, description="A SentencePiece Unigram model (T5's spiece.model), converted."
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> PretrainedFiles:
+        kinds = [
+            self.tokenizer_json is not None,
+            self.vocab_txt is not None,
+            self.spm_model is not None,
+            self.vocab_json is not None or self.merges is not None,
+        ]
+        if sum(kinds) != 1:
+            raise ValueError(
+                "give exactly one of tokenizer_json, vocab_txt, spm_model, or vocab_json+merges"
+            )
+        if (self.vocab_json is None) != (self.merges is None):
+            raise ValueError("vocab_json and merges go together")
+        return self
+
+
+class TokenizerConfig(BaseModel):
+    """Which tokenizer to train (or load), and how it is exported."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    family: Family = Field(
+        "wordpiece", description="wordpiece (BERT), bpe (GPT-2/RoBERTa), unigram (T5)."
+    )
+    bpe_style: Literal["gpt2", "roberta"] = Field("gpt2", description="Specials of a BPE vocab.")
+    vocab_size: int = Field(
+        30_000,
+        ge=100,
+        le=1_000_000,
+        description="Tokens to train, specials and (unigram) sentinels included.",
+    )
+    pad_to_multiple_of: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Model embedding rows are "
+        "padded up to a multiple of this (fast matrix shapes).",
+    )
+    min_frequency: int = Field(2, ge=1, description="Minimum count of a merge/piece.")
+    lowercase: bool = Field(True, description="Lowercase before tokenizing (wordpiece default).")
+    strip_accents: bool | None = Field(
+        None, description="WordPiece: strip accents; None follows `lowercase`, as BERT does."
+    )
+    split_chinese_chars: bool = Field(
+        True, description="WordPiece: put spaces around CJK characters, as BERT does."
+    )
+    extra_ids: int = Field(100, ge=0, le=1000, description="Unigram: number of sentinels.")
+    unigram_trainer: Literal["sentencepiece", "tokenizers"] = Field(
+        "sentencepiece",
+        description="Unigram: train with sentencepiece (several times faster) and convert to "
+        "tokenizer.json, or with the `tokenizers` Unigram trainer.",
+    )
+    character_coverage: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Unigram (sentencepiece): share of characters the alphabet covers; the "
+        "rarest rest become <unk>. 1.0 keeps every character seen; ~0.9995 suits CJK corpora.",
+    )
+    sample_documents: int | None = Field(
+        None,
+        ge=1,
+        description="Train on at most this many "
+        "documents (evenly spaced over the corpus); None: all. With language_sampling "
+        "(unit documents): the documents of the sampled mix.",
+    )
+    model_max_length: int = Field(512, ge=8, description="Maximum sequence length recorded.")
+    padding_side: Literal["right", "left"] = Field("right", description="Padding side.")
+    pretrained: PretrainedFiles | None = Field(
+        None, description="Load these files instead of training."
+    )
+    language_sampling: LanguageSamplingConfig | None = Field(
+        None,
+        description="Train on an XLM-R-style mix: language i drawn with share "
+        "p_i^alpha / sum p_j^alpha (docs/tokenizers.md); None: the corpus as it is.",
+    )
+
+    @model_validator(mode="after")
+    def _sampling_needs_training(self) -> TokenizerConfig:
+        sampling = self.language_sampling
+        if sampling is not None and self.pretrained is not None:
+            raise ValueError("language_sampling applies to training; `pretrained` loads files")
+        if (
+            sampling is not None
+            and sampling.unit == "characters"
+            and self.sample_documents is not None
+        ):
+            raise ValueError(
+                "with language_sampling.unit characters the budget is "
+                "language_sampling.sample_characters, not sample_documents"
+            )
+        return self
+
+
+def special_tokens(cfg: TokenizerConfig) -> list[str]:
+    """Return the family's special tokens in id order (sentinels excluded)."""
+    if cfg.family == "wordpiece":
+        return WORDPIECE_SPECIALS
+    if cfg.family == "bpe":
+        return GPT2_SPECIALS if cfg.bpe_style == "gpt2" else ROBERTA_SPECIALS
+    return T5_SPECIALS
+
+
+def sentinels(cfg: TokenizerConfig) -> list[str]:
+    """T5 sentinels in the order they are added: `<extra_id_{n-1}>` first, `<extra_id_0>` last."""
+    return (
+        [f"<extra_id_{i}>" for i in reversed(range(cfg.extra_ids))]
+        if cfg.family == "unigram"
+        else []
+    )
+
+
+def _pipeline(tok: Tokenizer, cfg: TokenizerConfig) -> Tokenizer:
+    """Attach the family's normaliser, pre-tokeniser and decoder to `tok`."""
+    if cfg.family == "wordpiece":
+        tok.normalizer = normalizers.BertNormalizer(
+            clean_text=True,
+            handle_chinese_chars=cfg.split_chinese_chars,
+            strip_accents=cfg.strip_accents,
+            lowercase=cfg.lowercase,
+        )
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # exact round trip
+    elif cfg.family == "bpe":
+        if cfg.lowercase:
+            tok.normalizer = normalizers.Lowercase()
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        steps = [normalizers.Nmt(), normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")]
+        if cfg.lowercase:
+            steps.append(normalizers.Lowercase())
+        tok.normalizer = normalizers.Sequence(steps)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return tok
+
+
+def _token_id(tok: Tokenizer, token: str) -> int:
+    token_id = tok.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"the vocabulary has no special token {token!r}")
+    return token_id
+
+
+def _post_processor(tok: Tokenizer, cfg: TokenizerConfig) -> None:
+    """Attach the family's single/pair template (needs the special tokens' ids)."""
+
+    def ids(token: str) -> int:  # only the tokens a template uses must exist
+        return _token_id(tok, token)
+
+    if cfg.family == "wordpiece":
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", ids("[CLS]")), ("[SEP]", ids("[SEP]"))],
+        )
+    elif cfg.family == "bpe" and cfg.bpe_style == "roberta":
+        tok.post_processor = processors.RobertaProcessing(
+            ("</s>", ids("</s>")), ("<s>", ids("<s>")), trim_offsets=True, add_prefix_space=False
+        )
+    elif cfg.family == "bpe":
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    else:
+        tok.post_processor = processors.TemplateProcessing(
+            single="$A </s>",
+            pair="$A </s> $B </s>",
+            special_tokens=[("</s>", ids("</s>"))],
+        )
+
+
+def train_tokenizer(texts: Iterable[str] | Iterable[list[str]], cfg: TokenizerConfig) -> Tokenizer:
+    """Train a tokenizer of `cfg.family` on `texts` (strings or batches of strings; every core).
+
+    Unigram trains with sentencepiece by default and is converted (`from_sentencepiece`).
+    """
+    if cfg.family == "unigram" and cfg.unigram_trainer == "sentencepiece":
+        return from_sentencepiece(train_sentencepiece(texts, cfg), cfg)
+    specials = special_tokens(cfg)
+    if cfg.family == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
+        trainer: tk_trainers.Trainer = tk_trainers.WordPieceTrainer(
+            vocab_size=cfg.vocab_size,
+            min_frequency=cfg.min_frequency,
+            special_tokens=specials,
+            continuing_subword_prefix="##",
+            show_progress=False,
+        )
+    elif cfg.family == "bpe":
+        tok = Tokenizer(models.BPE())
+        trainer = tk_trainers.BpeTrainer(
+            vocab_size=cfg.vocab_size,
+            min_frequency=cfg.min_frequency,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+    else:
+        tok = Tokenizer(models.Unigram())
+        trainer = tk_trainers.UnigramTrainer(
+            vocab_size=cfg.vocab_size - cfg.extra_ids,
+            special_tokens=specials,
+            unk_token="<unk>",
+            show_progress=False,
+        )
+    _pipeline(tok, cfg)
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_special_tokens(sentinels(cfg))
+    _post_processor(tok, cfg)
+    return tok
+
+
+def _flat(texts: Iterable[str] | Iterable[list[str]]) -> Iterable[str]:
+    for item in texts:
+        if isinstance(item, str):
+            yield item
+        else:
+            yield from item
+
+
+def train_sentencepiece(texts: Iterable[str] | Iterable[list[str]], cfg: TokenizerConfig) -> bytes:
+    """Train a T5-style SentencePiece Unigram model on `texts`; return the serialised model.
+
+    Ids 0-2 are `<pad> </s> <unk>` (no `<s>`), as in T5; the sentinels are not part of it
+    (`from_sentencepiece` adds them on top). sentencepiece keeps the texts it is given in
+    memory: bound them with `sample_documents` on a large corpus.
+    """
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_flat(texts)),
+        model_writer=model,
+        model_type="unigram",
+        vocab_size=cfg.vocab_size - cfg.extra_ids,
+        character_coverage=cfg.character_coverage,
+        normalization_rule_name="nmt_nfkc_cf" if cfg.lowercase else "nmt_nfkc",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        pad_piece="<pad>",
+        eos_piece="</s>",
+        unk_piece="<unk>",
+        # A document is one "sentence" here; sentencepiece would skip any over 4 kB.
+        max_sentence_length=1 << 24,
+        hard_vocab_limit=False,  # a small corpus yields fewer pieces instead of an error
+        num_threads=os.cpu_count() or 1,
+        minloglevel=2,
+    )
+    return model.getvalue()
+
+
+def from_sentencepiece(model: bytes, cfg: TokenizerConfig) -> Tokenizer:
+    """Convert a serialised SentencePiece Unigram model into an equivalent `tokenizers` one.
+
+    The pieces keep their ids and scores; its own normalisation (the precompiled character
+    map, whitespace stripping and collapsing) and `▁` handling are carried over, then the T5
+    sentinels and template are added. Encodings equal sentencepiece's except where two
+    segmentations score the same to float precision (see docs/tokenizers.md).
+
+    Raises:
+        ValueError: the model is not a Unigram model, or uses byte fallback.
+    """
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model)
+    trainer, norm = proto.trainer_spec, proto.normalizer_spec
+    if trainer.model_type != trainer.UNIGRAM:
+        raise ValueError("the SentencePiece model is not a Unigram model (T5 uses Unigram)")
+    if trainer.byte_fallback:
+        raise ValueError("SentencePiece models with byte_fallback are not supported")
+    vocab = [(piece.piece, piece.score) for piece in proto.pieces]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=trainer.unk_id, byte_fallback=False))
+    steps: list[normalizers.Normalizer] = []
+    if norm.precompiled_charsmap:
+        steps.append(normalizers.Precompiled(norm.precompiled_charsmap))
+    if norm.remove_extra_whitespaces:
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+    tok.normalizer = normalizers.Sequence(steps)
+    prepend = "always" if norm.add_dummy_prefix else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend)
+    # Control pieces and the unknown piece are specials: never split, never normalised.
+    controls = [p.piece for p in proto.pieces if p.type in (p.CONTROL, p.UNKNOWN)]
+    tok.add_special_tokens(controls)
+    tok.add_special_tokens(sentinels(cfg))
+    _post_processor(tok, cfg)
+    return tok
+
+
+def load_tokenizer_files(files: PretrainedFiles, cfg: TokenizerConfig) -> Tokenizer:
+    """Build a tokenizer from your own files with this family's conventions.
+
+    A `tokenizer.json` is taken as it is; a SentencePiece Unigram model is converted (with the
+    T5 sentinels on top); a BERT `vocab.txt` gets the WordPiece pipeline; GPT-2
+    `vocab.json`/`encoder.json` plus `merges.txt`/`vocab.bpe` get the byte-level BPE pipeline.
+    """
+    if files.tokenizer_json is not None:
+        return Tokenizer.from_file(files.tokenizer_json)
+    if files.spm_model is not None:
+        return from_sentencepiece(Path(files.spm_model).read_bytes(), cfg)
+    if files.vocab_txt is not None:
+        lines = Path(files.vocab_txt).read_text(encoding="utf-8").split("\n")
+        vocab = {token: i for i, token in enumerate(lines[:-1] if lines[-1] == "" else lines)}
+        tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    else:
+        assert files.vocab_json is not None
+        assert files.merges is not None
+        vocab = json.loads(Path(files.vocab_json).read_text(encoding="utf-8"))
+        merge_lines = Path(files.merges).read_text(encoding="utf-8").split("\n")
+        merges = [
+            tuple(line.split(" "))
+            for line in merge_lines
+            if line and not line.startswith("#version")
+        ]
+        tok = Tokenizer(models.BPE(vocab, merges))  # type: ignore[arg-type]
+    _pipeline(tok, cfg)
+    # The family's specials that the vocabulary holds are never split and keep their ids.
+    tok.add_special_tokens([t for t in special_tokens(cfg) if tok.token_to_id(t) is not None])
+    _post_processor(tok, cfg)
+    return tok
+
+
+def padded_vocab_size(tok: Tokenizer, cfg: TokenizerConfig) -> int:
+    """Embedding rows a model should allocate: the vocabulary padded to `pad_to_multiple_of`."""
+    return math.ceil(tok.get_vocab_size(with_added_tokens=True) / cfg.pad_to_multiple_of) * (
+        cfg.pad_to_multiple_of
+    )
+
+
+# The token that plays each `transformers` role, per family (BPE: per style).
+_ROLES: dict[str, dict[str, str]] = {
+    "wordpiece": {"unk": "[UNK]", "pad": "[PAD]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"},
+    "roberta": {
+        "bos": "<s>",
+        "eos": "</s>",
+        "unk": "<unk>",
+        "pad": "<pad>",
+        "cls": "<s>",
+        "sep": "</s>",
+        "mask": "<mask>",
+    },
+    "gpt2": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>"},
+    "unigram": {"eos": "</s>", "unk": "<unk>", "pad": "<pad>"},
+}
+
+
+def roles(cfg: TokenizerConfig) -> dict[str, str]:
+    """The token that plays each role (`bos`, `eos`, `unk`, `pad`, `cls`, `sep`, `mask`)."""
+    return dict(_ROLES[cfg.family if cfg.family != "bpe" else cfg.bpe_style])
+
+
+def to_transformers(tok: Tokenizer, cfg: TokenizerConfig) -> PreTrainedTokenizerFast:
+    """Wrap `tok` so that `AutoTokenizer.from_pretrained` reloads it with the right specials."""
+    inputs = (
+        ["input_ids", "token_type_ids", "attention_mask"]
+        if cfg.family == "wordpiece"
+        else ["input_ids", "attention_mask"]
+    )
+    extra = {"additional_special_tokens": sentinels(cfg)} if cfg.family == "unigram" else {}
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        model_max_length=cfg.model_max_length,
+        padding_side=cfg.padding_side,
+        model_input_names=inputs,
+        **{f"{role}_token": token for role, token in roles(cfg).items()},
+        **extra,
+    )
+
+
+def unknown_id(tok: Tokenizer) -> int | None:
+    """The id the model emits for text it cannot represent; None if it has none (byte level)."""
+    state = json.loads(tok.model.__getstate__())
+    if "unk_id" in state:
+        return state["unk_id"]  # type: ignore[no-any-return]
+    token = state.get("unk_token")
+    return None if token is None else tok.token_to_id(token)

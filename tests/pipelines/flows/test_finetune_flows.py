@@ -1,0 +1,157 @@
+"""The finetune, compare and evaluate flows under a real Prefect API, Ray and MLflow."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pipelines.config import ConfigError, load_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+REPO = Path(__file__).resolve().parents[3]
+
+
+def recipe(tmp_path: Path, mlflow_uri: str, shared_data: Path, base: Path, **sections: Any) -> Path:
+    config = {
+        "name": "ft",
+        "workspace": str(tmp_path / "ws"),
+        "tracking": {"tracking_uri": mlflow_uri, "experiment": f"flows-{tmp_path.name}"},
+        "ray": {"num_workers": 2, "num_cpus": 4},
+        "task": {"config": str(REPO / "configs/tasks/cola.yaml"), "base_dir": str(shared_data)},
+        "finetune": {
+            "base": {"path": str(base)},
+            "epochs": 2,
+            "batch_size": 16,
+            "micro_batch_size": 16,
+            "lr": 0.001,
+            "features": {"max_length": 64, "stride": 16},
+        },
+        **sections,
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def capped(train: int = 64, held: int = 32) -> list[str]:
+    """Overrides that cap every split of the task (fast flows on the real CoLA files)."""
+    return [f"task.max_examples={{train: {train}, validation: {held}, test: {held}}}"]
+
+
+def test_finetune_flow_on_cola_registers_the_model_with_a_report(
+    prefect_api: str,
+    ray_session: str,
+    mlflow_uri: str,
+    shared_data: Path,
+    tiny_base_models: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.flows.finetune_flow import finetune_flow
+
+    path = recipe(tmp_path, mlflow_uri, shared_data, tiny_base_models["bert"])
+    cfg = load_config(path, capped())
+    stages = finetune_flow(cfg)
+    assert stages["downstream"]["splits"]["train"]["rows"] == 64
+    result = stages["finetune"]
+    assert "mcc" in result["test"]
+    assert result["model_name"] == "ft-cola"
+    version = MlflowClient(mlflow_uri).get_model_version("ft-cola", result["model_version"])
+    assert version.tags["base_model_path"] == str(tiny_base_models["bert"].resolve())
+    report = Path(result["run_dir"]) / "report" / "report.md"
+    assert "Test metrics" in report.read_text()
+
+
+def test_compare_flow_reports_mean_and_spread_over_seeds_in_one_experiment(
+    prefect_api: str,
+    ray_session: str,
+    mlflow_uri: str,
+    shared_data: Path,
+    tiny_base_models: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.flows.compare_flow import compare_flow
+
+    entries = [{"strategy": {"name": "feature_extraction"}}, {"strategy": {"name": "lora"}}]
+    path = recipe(
+        tmp_path,
+        mlflow_uri,
+        shared_data,
+        tiny_base_models["bert"],
+        compare={"entries": entries, "seeds": [0, 1], "experiment": "compare-test"},
+    )
+    out = compare_flow(load_config(path, capped(train=32, held=16)))
+    rows = {row["strategy"]: row for row in out["compare"]["rows"]}
+    assert set(rows) == {"feature_extraction", "lora"}
+    for row in rows.values():
+        assert len(row["values"]) == 2
+        assert row["mean"] == pytest.approx(sum(row["values"]) / 2)
+    assert (
+        rows["lora"]["trainable_parameters"] != rows["feature_extraction"]["trainable_parameters"]
+    )
+    client = MlflowClient(mlflow_uri)
+    experiment = client.get_experiment_by_name("compare-test")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 5  # 2 strategies x 2 seeds, plus the summary run
+    table = (Path(out["compare"]["report_dir"]) / "comparison.md").read_text()
+    assert "feature_extraction" in table
+    assert "lora" in table
+
+
+def test_evaluate_flow_prompts_a_gpt_model_zero_and_few_shot(
+    prefect_api: str,
+    mlflow_uri: str,
+    shared_data: Path,
+    tiny_base_models: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    from pipelines.flows.evaluate_flow import evaluate_flow
+
+    prompting = {
+        "template": "Review: {text}\nSentiment:",
+        "verbalizers": {"negative": " bad", "positive": " good"},
+        "k_shot": 2,
+    }
+    path = recipe(
+        tmp_path,
+        mlflow_uri,
+        shared_data,
+        tiny_base_models["gpt2"],
+        evaluate={"prompting": prompting, "split": "validation", "max_examples": 12},
+    )
+    imdb = [
+        "task.config=" + str(REPO / "configs/tasks/imdb.yaml"),
+        "task.max_examples={train: 32, validation: 16}",
+    ]
+    out = evaluate_flow(load_config(path, imdb))["evaluate"]
+    assert out["prompting"]["k_shot"] == 2
+    assert out["prompting"]["examples"] == 12
+    assert 0.0 <= out["prompting"]["metrics"]["accuracy"] <= 1.0
+    assert len(out["generation"]) == 4  # one prompt x four decoding settings
+    saved = json.loads((Path(out["report_dir"]) / "evaluation.json").read_text())
+    assert saved["prompting"] == out["prompting"]
+
+
+def test_finetune_without_a_task_is_refused_before_any_work(
+    mlflow_uri: str, shared_data: Path, tiny_base_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from pipelines.flows.finetune_flow import prepare_task
+
+    path = recipe(tmp_path, mlflow_uri, shared_data, tiny_base_models["bert"])
+    cfg = load_config(path).model_copy(update={"task": None})
+    with pytest.raises(ConfigError, match="needs a `task` section"):
+        prepare_task(cfg)
+
+
+def test_a_missing_task_file_is_named_when_the_config_loads(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"task": {"config": str(tmp_path / "nope.yaml")}}))
+    with pytest.raises(ConfigError, match=r"nope\.yaml"):
+        load_config(path)

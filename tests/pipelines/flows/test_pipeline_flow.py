@@ -1,0 +1,131 @@
+"""The `pipeline` flow end to end (issue 7): every stage once, cached reruns, nested MLflow runs.
+
+Real Prefect (the session API), Ray and MLflow on SQLite, on the demo recipe shortened to a few
+pretraining steps and one fine-tuning epoch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+RECIPE = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
+STAGES = ("ingest", "tokenizer", "encode", "examples", "pretrain", "downstream", "finetune")
+OUTPUT_DIRS = (*STAGES, "evaluate")
+
+
+def mtimes(workspace: Path, dirs: tuple[str, ...] = OUTPUT_DIRS) -> dict[str, int]:
+    """Every file under the stage output directories, with its modification time (ns)."""
+    return {
+        str(path.relative_to(workspace)): path.stat().st_mtime_ns
+        for name in dirs
+        for path in (workspace / name).rglob("*")
+        if path.is_file()
+    }
+
+
+def nested_runs(client: MlflowClient, parent: str) -> dict[str, Any]:
+    """The runs nested under `parent`, by their `lmpipe.stage` tag."""
+    experiment = client.get_run(parent).info.experiment_id
+    runs = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'")
+    return {run.data.tags["lmpipe.stage"]: run for run in runs}
+
+
+def parent_run(client: MlflowClient, stages: dict[str, Any]) -> str:
+    parents = {
+        client.get_run(s["mlflow_run_id"]).data.tags["mlflow.parentRunId"]
+        for s in stages.values()
+        if s.get("mlflow_run_id")
+    }
+    assert len(parents) == 1, parents
+    return parents.pop()
+
+
+def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed(
+    tmp_path: Path, ray_session: str, prefect_api: str, mlflow_uri: str
+) -> None:
+    from prefect.artifacts import Artifact
+
+    from pipelines.config import load_config
+    from pipelines.flows.pipeline_flow import pipeline_flow
+    from tasks.demo.synthetic import SyntheticConfig, write_corpus
+
+    write_corpus(tmp_path / "demo", SyntheticConfig(documents=300, task_examples=20))
+    workspace = tmp_path / "ws"
+    overrides = [
+        f"name=cache{tmp_path.name[-6:].replace('_', '')}",
+        f"workspace={workspace}",
+        f"ingest.sources.0.path={tmp_path / 'demo' / 'corpus'}",
+        f"task.base_dir={tmp_path / 'demo'}",
+        f"tracking.tracking_uri={mlflow_uri}",
+        "train.max_steps=8",  # the whole pipeline runs; the recipe's length is not the point
+        "train.checkpoint.every_steps=4",
+        "train.eval.every_steps=4",
+        "finetune.epochs=1",
+    ]
+    cfg = load_config(RECIPE, overrides)
+    client = MlflowClient(mlflow_uri)
+
+    first = pipeline_flow(cfg)
+    assert list(first) == [*STAGES, "evaluate"]
+    assert not any(s["reused"] for s in first.values())
+    version = client.get_model_version(
+        first["pretrain"]["model_name"], first["pretrain"]["model_version"]
+    )
+    assert version.status == "READY"
+    assert first["finetune"]["model_name"]
+    built = mtimes(workspace)
+    assert len(built) > 30
+
+    # Nothing changed: every stage is a cache hit and no output file is touched.
+    second = pipeline_flow(cfg)
+    assert {name: s["reused"] for name, s in second.items()} == dict.fromkeys(first, True)
+    assert mtimes(workspace) == built
+    assert second["pretrain"]["model_version"] == first["pretrain"]["model_version"]
+    parent = parent_run(client, second)
+    runs = nested_runs(client, parent)
+    assert set(runs) == set(first)
+    assert all(run.data.tags["lmpipe.reused"] == "true" for run in runs.values())
+    assert client.get_run(parent).info.status == "FINISHED"
+    assert client.get_run(parent).data.metrics["stages_reused"] == len(first)
+    # One Markdown artifact per stage, with a pointer to its MLflow run.
+    for name in first:
+        artifact = Artifact.get(f"{cfg.name}-{name}")
+        assert artifact is not None, name
+        assert "status" in str(artifact.data)
+        assert str(second[name]["mlflow_run_id"]) in str(artifact.data)
+
+    # A new fine-tuning config reruns fine-tuning and evaluation, and nothing upstream.
+    third = pipeline_flow(load_config(RECIPE, [*overrides, "finetune.lr=0.0005"]))
+    assert {name: s["reused"] for name, s in third.items()} == {
+        name: name not in ("finetune", "evaluate") for name in first
+    }
+    upstream = tuple(name for name in OUTPUT_DIRS if name not in ("finetune", "evaluate"))
+    assert mtimes(workspace, upstream) == {
+        k: v for k, v in built.items() if k.split("/")[0] in upstream
+    }
+    assert third["finetune"]["run_dir"] != first["finetune"]["run_dir"]
+    assert third["evaluate"]["path"] != first["evaluate"]["path"]
+    assert third["evaluate"]["finetuned"]["test"] == third["finetune"]["test"]
+
+
+def test_pipeline_flow_parameters_are_a_typed_form_that_validates() -> None:
+    from prefect.exceptions import ParameterTypeError
+
+    from pipelines.flows.pipeline_flow import pipeline_flow
+
+    schema = pipeline_flow.parameters.model_dump()
+    config = schema["definitions"]["RunConfig"]["properties"]
+    assert config["seed"]["description"].startswith("Run seed")
+    assert config["seed"]["default"] == 0
+    assert "IngestConfig" in schema["definitions"]
+    retries = schema["definitions"]["PrefectConfig"]["properties"]["retries"]
+    assert retries["minimum"] == 0
+    assert "cfg" not in schema.get("required", [])  # the form starts from the defaults
+    with pytest.raises(ParameterTypeError, match="seed"):
+        pipeline_flow.validate_parameters({"cfg": {"seed": -1}})

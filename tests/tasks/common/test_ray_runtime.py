@@ -1,0 +1,92 @@
+from pathlib import Path
+
+import pytest
+
+from tasks.common.ray_runtime import (
+    RayConfig,
+    check_storage,
+    is_remote_uri,
+    scoped_environ,
+    storage_problem,
+)
+
+
+@pytest.mark.parametrize(
+    ("workspace", "nodes", "shared", "refused"),
+    [
+        ("/data/ws", 1, False, False),  # one node sees its own disk
+        ("/data/ws", 2, False, True),
+        ("/data/ws", 2, True, False),  # NFS, or every node on one host
+        ("relative/ws", 3, False, True),
+        ("file:///data/ws", 2, False, True),  # a file URI is still a local path
+        ("s3://bucket/ws", 2, False, False),
+        ("gs://bucket/ws", 8, False, False),
+        ("abfs://container@account/ws", 2, False, False),
+        ("C://data/ws", 2, False, True),  # a drive letter is not a URI scheme
+        ("/data/ws", 0, False, False),  # no alive node reported: nothing to compare
+    ],
+)
+def test_storage_rule_over_workspace_nodes_and_shared_flag(
+    workspace: str, nodes: int, shared: bool, refused: bool
+) -> None:
+    assert (storage_problem(workspace, nodes, shared) is not None) == refused
+
+
+def test_storage_refusal_names_the_path_the_node_count_and_the_fix() -> None:
+    message = storage_problem(Path("/data/ws"), 3, False)
+    assert message is not None
+    assert "workspace /data/ws is a local path" in message
+    assert "the Ray cluster has 3 nodes" in message
+    assert "ray.shared_storage=true" in message
+    assert "s3://" in message
+
+
+def test_is_remote_uri_only_for_non_file_schemes() -> None:
+    assert is_remote_uri("s3://b/k")
+    assert is_remote_uri("hdfs://namenode/ws")
+    assert not is_remote_uri("file:///tmp/ws")
+    assert not is_remote_uri(Path("/tmp/ws"))
+
+
+def test_check_storage_contacts_no_cluster_when_the_answer_is_known() -> None:
+    # Without an address (a local Ray), with shared storage or a remote URI, no Ray is started.
+    check_storage(RayConfig(), "/data/ws")
+    check_storage(RayConfig(address="10.255.255.1:6379", shared_storage=True), "/data/ws")
+    check_storage(RayConfig(address="10.255.255.1:6379"), "s3://bucket/ws")
+
+
+def test_shared_storage_defaults_to_false_and_is_described() -> None:
+    field = RayConfig.model_fields["shared_storage"]
+    assert RayConfig().shared_storage is False
+    assert "NFS" in (field.description or "")
+
+
+def test_local_ray_workers_get_one_thread_without_a_job_runtime_env(ray_session: str) -> None:
+    """The variables reach the workers through the raylet's environment, not a runtime_env.
+
+    A job runtime_env would keep Ray from using the workers it prestarts for this driver.
+    """
+    import os
+
+    import ray
+
+    def worker_view() -> tuple[str | None, str | None]:  # pickled by value: tests/ is no package
+        return os.environ.get("OMP_NUM_THREADS"), os.environ.get("TOKENIZERS_PARALLELISM")
+
+    assert ray.get_runtime_context().runtime_env == {}
+    views = ray.get([ray.remote(worker_view).remote() for _ in range(4)])
+    assert set(views) == {("1", "false")}
+
+
+def test_environment_block_restores_set_and_absent_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    monkeypatch.setenv("LMPIPE_TEST_SET", "before")
+    monkeypatch.delenv("LMPIPE_TEST_ABSENT", raising=False)
+    with scoped_environ({"LMPIPE_TEST_SET": "during", "LMPIPE_TEST_ABSENT": "during"}):
+        assert os.environ["LMPIPE_TEST_SET"] == "during"
+        assert os.environ["LMPIPE_TEST_ABSENT"] == "during"
+    assert os.environ["LMPIPE_TEST_SET"] == "before"
+    assert "LMPIPE_TEST_ABSENT" not in os.environ

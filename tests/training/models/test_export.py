@@ -1,0 +1,472 @@
+"""Export, reload check, DeepSpeed consolidation and MLflow registry on tiny real models (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file, save_file
+
+from tasks.tokenizer.tokenizer import (
+    TokenizerConfig,
+    padded_vocab_size,
+    to_transformers,
+    train_tokenizer,
+)
+from training.models.export import (
+    DataRef,
+    ExportCheckError,
+    ModelCard,
+    TokenizerRef,
+    UnsafeWeightsError,
+    export_model,
+    gather_state_dict,
+    load_external_weights,
+    read_card,
+    reload_check,
+)
+
+SYLLABLES = ["ka", "lo", "mi", "ran", "te", "sul", "vo", "ni", "pe", "dor", "ba", "ish"]
+TOKENIZERS = {
+    "bert": TokenizerConfig(family="wordpiece", vocab_size=160, min_frequency=1),
+    "gpt2": TokenizerConfig(family="bpe", vocab_size=320, min_frequency=1),
+    "t5": TokenizerConfig(family="unigram", vocab_size=160, extra_ids=8, min_frequency=1),
+}
+WIDTH = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2}
+Exports = dict[str, tuple[tf.PreTrainedModel, Path, ModelCard]]  # family: (model, dir, card)
+
+
+def sentences(n: int = 400, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = [a + b for a in SYLLABLES for b in SYLLABLES][:60]
+    return [" ".join(rng.choices(words, k=rng.randint(4, 10))) + "." for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny trained tokenizer per family, saved as `AutoTokenizer` directories."""
+    texts = sentences()
+    dirs = {}
+    for family, cfg in TOKENIZERS.items():
+        dirs[family] = tmp_path_factory.mktemp(f"tok-{family}")
+        to_transformers(train_tokenizer(texts, cfg), cfg).save_pretrained(dirs[family])
+    return dirs
+
+
+def vocab_rows(tokenizer_dir: Path, family: str) -> int:
+    tok = tf.AutoTokenizer.from_pretrained(tokenizer_dir)
+    return padded_vocab_size(tok.backend_tokenizer, TOKENIZERS[family])
+
+
+def tiny_model(family: str, tokenizer_dir: Path) -> tf.PreTrainedModel:
+    """A seeded 2-layer, width-64 model whose embeddings fit the tokenizer."""
+    torch.manual_seed(0)
+    tok = tf.AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = vocab_rows(tokenizer_dir, family)
+    if family == "bert":
+        config = tf.BertConfig(
+            vocab_size=rows, intermediate_size=128, max_position_embeddings=64, **WIDTH
+        )
+        config.pad_token_id = tok.pad_token_id
+        return tf.BertForPreTraining(config).eval()
+    if family == "gpt2":
+        eos = tok.eos_token_id
+        gpt2 = {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 64}
+        config = tf.GPT2Config(vocab_size=rows, bos_token_id=eos, eos_token_id=eos, **gpt2)
+        return tf.GPT2LMHeadModel(config).eval()
+    pad = tok.pad_token_id
+    t5 = {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4}
+    config = tf.T5Config(vocab_size=rows, pad_token_id=pad, eos_token_id=tok.eos_token_id, **t5)
+    config.decoder_start_token_id = pad
+    return tf.T5ForConditionalGeneration(config).eval()
+
+
+def card_for(family: str, model: tf.PreTrainedModel, tokenizer_dir: Path) -> ModelCard:
+    return ModelCard(
+        family=family,  # type: ignore[arg-type]
+        size="tiny",
+        parameters=model.num_parameters(),
+        objective={"bert": "mlm+nsp", "gpt2": "clm", "t5": "span"}[family],
+        steps=20,
+        tokens_seen=20 * 8 * 64,
+        data=DataRef(path="workspace/examples/manifest.json", fingerprint="ex-1234"),
+        tokenizer=TokenizerRef(
+            fingerprint="tok-5678",
+            family=TOKENIZERS[family].family,
+            vocab_size=len(tf.AutoTokenizer.from_pretrained(tokenizer_dir)),
+        ),
+        metrics={"eval/loss": 5.25, "eval/perplexity": 190.6},
+        deepspeed={"zero_stage": 2, "precision": "fp32", "micro_batch": 8},
+        git_commit="513984e",
+    )
+
+
+@pytest.fixture(scope="module")
+def exports(tokenizer_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Exports:
+    """Each family's tiny model, its export directory and its card."""
+    out = {}
+    for family, tok_dir in tokenizer_dirs.items():
+        model = tiny_model(family, tok_dir)
+        card = card_for(family, model, tok_dir)
+        hf_dir = export_model(model, tok_dir, tmp_path_factory.mktemp("exp") / family, card)
+        out[family] = (model, hf_dir, card)
+    return out
+
+
+def bert_batch(tok_dir: Path) -> dict[str, torch.Tensor]:
+    tok = tf.AutoTokenizer.from_pretrained(tok_dir)
+    texts = sentences(4, seed=1)
+    batch = dict(tok(texts[:2], texts[2:], padding=True, return_tensors="pt"))
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    batch["next_sentence_label"] = torch.tensor([0, 1])
+    return batch
+
+
+def mlm_loss(model: tf.PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> float:
+    return float(model(**batch).loss)
+
+
+def greedy(model: tf.PreTrainedModel, ids: torch.Tensor, **sampling: float) -> list[int]:
+    """Ten new tokens; with `sampling` kwargs, sampled after seeding torch's generator."""
+    torch.manual_seed(1234)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=10,
+        min_new_tokens=10,
+        do_sample=bool(sampling),
+        pad_token_id=model.config.eos_token_id,
+        **sampling,
+    )
+    return [int(i) for i in out[0]]
+
+
+def reload(family: str, hf_dir: Path) -> tf.PreTrainedModel:
+    auto = {"bert": tf.AutoModelForPreTraining, "gpt2": tf.AutoModelForCausalLM}
+    cls = auto.get(family, tf.AutoModelForSeq2SeqLM)
+    return cls.from_pretrained(hf_dir, local_files_only=True).eval()
+
+
+# --- DeepSpeed consolidation -------------------------------------------------------------
+
+
+def engine_weights(engine: object, stage: int) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    module = engine.module  # type: ignore[attr-defined]
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=stage == 3):
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_gather_state_dict_equals_engine_weights(
+    stage: int, single_process_dist: None, tokenizer_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    import deepspeed
+
+    model = tiny_model("bert", tokenizer_dirs["bert"]).train()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}}
+    # A torch optimizer object: DeepSpeed's own CPU Adam would JIT-compile C++.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    batch = bert_batch(tokenizer_dirs["bert"])
+    for _ in range(2):
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    engine.save_checkpoint(str(tmp_path), tag="ds")
+
+    state = gather_state_dict(tmp_path, "ds")
+
+    expected = engine_weights(engine, stage)
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+    assert not torch.equal(state["cls.predictions.bias"], initial["cls.predictions.bias"])
+    fresh = tf.BertForPreTraining(model.config)
+    result = fresh.load_state_dict(state, strict=True)
+    assert not result.missing_keys
+    assert not result.unexpected_keys
+
+
+def test_gather_state_dict_names_a_missing_tag(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope"):
+        gather_state_dict(tmp_path, "nope")
+
+
+# --- Export round trips ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "t5"])
+def test_export_holds_safetensors_tokenizer_and_card(family: str, exports: Exports) -> None:
+    _, hf_dir, card = exports[family]
+    names = {p.name for p in hf_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= names
+    assert not {n for n in names if n.endswith((".bin", ".pt", ".pth", ".pkl", ".ckpt"))}
+    assert ("generation_config.json" in names) == (family != "bert")
+    assert [p.name for p in hf_dir.parent.iterdir()] == [family]  # no temp dirs left
+    readme = (hf_dir / "README.md").read_text()
+    assert readme.startswith("---\nlibrary_name: transformers\npipeline_tag: ")
+    for text in ("## Final metrics", "eval/loss", "ex-1234", "tok-5678", "513984e", "zero_stage"):
+        assert text in readme
+    assert read_card(hf_dir) == card
+
+
+def test_export_sets_tokenizer_max_length_to_the_models(
+    exports: Exports,
+) -> None:
+    lengths = {
+        family: tf.AutoTokenizer.from_pretrained(hf_dir).model_max_length
+        for family, (_, hf_dir, _) in exports.items()
+    }
+    assert lengths == {"bert": 64, "gpt2": 64, "t5": TokenizerConfig().model_max_length}
+    saved = json.loads((exports["gpt2"][1] / "tokenizer_config.json").read_text())
+    assert "local_files_only" not in saved  # how we loaded it is not part of the export
+
+
+def test_export_replaces_an_earlier_export(
+    exports: Exports,
+    tokenizer_dirs: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    model, _, card = exports["bert"]
+    out = tmp_path / "bert"
+    out.mkdir()
+    (out / "stale.bin").write_bytes(b"old")
+    export_model(model, tokenizer_dirs["bert"], out, card)
+    assert not (out / "stale.bin").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["bert"]
+
+
+def test_export_refuses_a_card_of_another_family(
+    exports: Exports,
+    tokenizer_dirs: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    model, _, card = exports["bert"]
+    with pytest.raises(ValueError, match="gpt2"):
+        export_model(
+            model,
+            tokenizer_dirs["bert"],
+            tmp_path / "x",
+            card.model_copy(update={"family": "gpt2"}),
+        )
+    assert not list(tmp_path.iterdir())
+
+
+def test_bert_export_answers_fill_mask_like_the_trained_model(
+    exports: Exports,
+) -> None:
+    model, hf_dir, _ = exports["bert"]
+    fill = tf.pipeline("fill-mask", model=str(hf_dir), tokenizer=str(hf_dir), top_k=5)
+    text = f"{sentences(1, seed=2)[0].split()[0]} [MASK] kaka."
+    answers = fill(text)
+    assert len(answers) == 5
+    assert all(a["sequence"] and 0.0 <= a["score"] <= 1.0 for a in answers)
+    inputs = fill.tokenizer(text, return_tensors="pt")
+    at = int((inputs["input_ids"][0] == fill.tokenizer.mask_token_id).nonzero()[0, 0])
+    with torch.no_grad():
+        logits = model(**inputs).prediction_logits[0, at]
+    assert [a["token"] for a in answers] == logits.topk(5).indices.tolist()
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{}, {"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.9}],
+    ids=["greedy", "temperature", "top_k", "top_p"],
+)
+def test_gpt2_export_generates_the_same_tokens(
+    sampling: dict[str, float], exports: Exports
+) -> None:
+    model, hf_dir, _ = exports["gpt2"]
+    tok = tf.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    ids = tok(sentences(1, seed=3)[0], return_tensors="pt")["input_ids"]
+    before = greedy(model, ids, **sampling)
+    after = greedy(reload("gpt2", hf_dir), ids, **sampling)
+    assert after == before
+    assert len(after) == ids.shape[1] + 10
+
+
+def test_t5_export_maps_text_to_the_same_text(
+    exports: Exports,
+) -> None:
+    model, hf_dir, _ = exports["t5"]
+    tok = tf.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    ids = tok(sentences(1, seed=4)[0], return_tensors="pt")["input_ids"]
+    before, after = greedy(model, ids), greedy(reload("t5", hf_dir), ids)
+    assert after == before
+    assert isinstance(tok.decode(after, skip_special_tokens=True), str)
+
+
+# --- Reload check and outside weights ----------------------------------------------------
+
+
+def test_reload_check_passes_a_faithful_export(
+    exports: Exports,
+    tokenizer_dirs: dict[str, Path],
+) -> None:
+    model, hf_dir, _ = exports["bert"]
+    batch = bert_batch(tokenizer_dirs["bert"])
+    with torch.no_grad():
+        expected = mlm_loss(model, batch)
+    assert reload_check(hf_dir, "bert", batch, expected, mlm_loss) == pytest.approx(expected)
+
+
+def test_reload_check_catches_tampered_weights(
+    exports: Exports,
+    tokenizer_dirs: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    model, hf_dir, _ = exports["bert"]
+    tampered = shutil.copytree(hf_dir, tmp_path / "tampered")
+    weights = load_file(tampered / "model.safetensors")
+    weights["bert.embeddings.word_embeddings.weight"] *= 1.5  # tied to the MLM decoder too
+    save_file(weights, tampered / "model.safetensors", metadata={"format": "pt"})
+    batch = bert_batch(tokenizer_dirs["bert"])
+    with torch.no_grad():
+        expected = mlm_loss(model, batch)
+    with pytest.raises(ExportCheckError, match=f"differs from expected {expected!r}"):
+        reload_check(tampered, "bert", batch, expected, mlm_loss)
+
+
+def test_reload_check_catches_a_vocabulary_larger_than_the_embeddings(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    config = tf.BertConfig(
+        vocab_size=32, intermediate_size=128, max_position_embeddings=64, **WIDTH
+    )
+    model = tf.BertForPreTraining(config).eval()
+    card = card_for("bert", model, tokenizer_dirs["bert"])
+    hf_dir = export_model(model, tokenizer_dirs["bert"], tmp_path / "small", card)
+    with pytest.raises(ExportCheckError, match="32 embeddings"):
+        reload_check(hf_dir, "bert", {}, 0.0, mlm_loss)
+
+
+def test_load_external_weights_reads_safetensors(
+    exports: Exports,
+) -> None:
+    model, hf_dir, _ = exports["gpt2"]
+    state = load_external_weights(hf_dir)
+    assert torch.equal(state["transformer.wte.weight"], model.transformer.wte.weight)
+
+
+def test_load_external_weights_refuses_pickle_only_dirs(tmp_path: Path) -> None:
+    torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(UnsafeWeightsError, match=r"pytorch_model\.bin.*safetensors"):
+        load_external_weights(tmp_path)
+    (tmp_path / "pytorch_model.bin").unlink()
+    with pytest.raises(FileNotFoundError):
+        load_external_weights(tmp_path)
+
+
+# --- MLflow registry ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, str]:
+    """A SQLite tracking store with an experiment whose artifacts go under tmp: (uri, exp, root)."""
+    from mlflow import MlflowClient
+
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    artifacts = (root / "artifacts").as_uri()
+    experiment = MlflowClient(uri).create_experiment("export", artifact_location=artifacts)
+    return uri, experiment, artifacts
+
+
+@pytest.fixture
+def decoy_default_store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """A default tracking URI that the registry must neither use nor clear."""
+    decoy = tmp_path / "decoy.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{decoy}")
+    yield decoy
+    assert not decoy.exists()
+    assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{decoy}"
+
+
+LINEAGE = {
+    "corpus_manifest": "c0ffee",
+    "tokenizer": "tok-5678",
+    "example_config": "ex-1234",
+    "deepspeed_config": '{"zero_optimization": {"stage": 2}}',
+    "git_commit": "513984e",
+}
+
+
+@pytest.mark.slow
+def test_registered_bert_resolves_by_alias_and_reloads_offline(
+    exports: Exports,
+    mlflow_store: tuple[str, str, str],
+    tokenizer_dirs: dict[str, Path],
+    decoy_default_store: Path,
+    tmp_path: Path,
+) -> None:
+    from mlflow import MlflowClient
+
+    from training.registry.registry import download_model, register_export, resolve_version
+
+    uri, experiment, artifacts = mlflow_store
+    client = MlflowClient(uri)
+    run_id = client.create_run(experiment).info.run_id
+    model, hf_dir, _ = exports["bert"]
+
+    ref = register_export(hf_dir, "bert", uri, run_id, "tiny-bert", "candidate", LINEAGE)
+
+    assert client.get_run(run_id).info.status == "RUNNING"
+    found = resolve_version(uri, "tiny-bert", "candidate")
+    assert found == ref
+    assert resolve_version(uri, "tiny-bert", ref.version).model_uri == ref.model_uri
+    tags = client.get_model_version("tiny-bert", ref.version).tags
+    assert tags == {**LINEAGE, "family": "bert"}
+    logged = client.get_logged_model(ref.source.removeprefix("models:/"))
+    assert logged.artifact_location.startswith(artifacts)  # not ./mlruns of the cwd
+    assert "hf_model/README.md" in [f.path for f in client.list_artifacts(run_id, "hf_model")]
+
+    local = download_model(uri, found, tmp_path / "dl")
+    reloaded = reload("bert", local)
+    tok = tf.AutoTokenizer.from_pretrained(local, local_files_only=True)
+    assert tok.model_max_length == 64
+    assert read_card(local) == exports["bert"][2]
+    batch = bert_batch(tokenizer_dirs["bert"])
+    with torch.no_grad():
+        want = model(**batch).prediction_logits.argmax(-1)
+        got = reloaded(**batch).prediction_logits.argmax(-1)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_registered_gpt2_keeps_a_finished_run_finished_and_moves_the_alias(
+    exports: Exports,
+    mlflow_store: tuple[str, str, str],
+    decoy_default_store: Path,
+    tmp_path: Path,
+) -> None:
+    from mlflow import MlflowClient
+
+    from training.registry.registry import download_model, register_export, resolve_version
+
+    uri, experiment, _ = mlflow_store
+    client = MlflowClient(uri)
+    run_id = client.create_run(experiment).info.run_id
+    client.set_terminated(run_id)
+    model, hf_dir, _ = exports["gpt2"]
+
+    first = register_export(hf_dir, "gpt2", uri, run_id, "tiny-gpt2", "candidate", LINEAGE)
+    second = register_export(hf_dir, "gpt2", uri, run_id, "tiny-gpt2", "candidate", LINEAGE)
+
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert (first.version, second.version) == ("1", "2")
+    assert resolve_version(uri, "tiny-gpt2", "candidate").version == "2"
+    local = download_model(uri, resolve_version(uri, "tiny-gpt2", "1"), tmp_path / "dl")
+    tok = tf.AutoTokenizer.from_pretrained(local, local_files_only=True)
+    ids = tok(sentences(1, seed=5)[0], return_tensors="pt")["input_ids"]
+    assert greedy(reload("gpt2", local), ids) == greedy(model, ids)
+    assert (local / "generation_config.json").exists()

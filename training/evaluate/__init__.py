@@ -1,0 +1,1 @@
+"""Evaluation: the stage, intrinsic probes, prompting, generation, reports, plots."""

@@ -1,0 +1,1 @@
+"""Evaluation metrics as pure functions, and their registry."""

@@ -1,0 +1,293 @@
+"""The evaluate stage: intrinsic probes of a model and zero/few-shot prompting on a local task.
+
+`evaluate_stage` loads a model directory (a pretraining export, or any HF model of a supported
+family), runs what fits its family (held-out perplexity / MLM accuracy when the pretraining
+examples are known, fill-mask probes for encoders, generation samples for decoders and T5,
+prompting on a classification task for causal LMs), writes `evaluation.json` and a Markdown +
+HTML report, and logs both to an MLflow run. `evaluate_task` is the Prefect wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.common import schema
+from tasks.common.io import fingerprint, read_downstream_dir, source_hash, write_json_atomic
+from tasks.common.stage import (
+    commit_dir,
+    complete_manifest,
+    file_entry,
+    remove_stale_temps,
+    temp_dir_beside,
+)
+from training.evaluate.intrinsic import (
+    IntrinsicConfig,
+    fill_mask_probes,
+    generation_samples,
+    heldout_metrics,
+    sentence_embeddings,
+)
+from training.evaluate.metrics.metrics import compute_metrics, embedding_similarity_metrics
+from training.evaluate.prompting import PromptConfig, classify_by_prompting
+from training.evaluate.report import html_page, markdown_table
+from training.models.export import load_export
+from training.models.models import FAMILIES
+from training.registry.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
+
+log = logging.getLogger(__name__)
+
+ENCODERS = tuple(family for family, spec in FAMILIES.items() if spec.kind == "encoder")
+
+
+class EvaluateConfig(BaseModel):
+    """The `evaluate` section: intrinsic probes, and prompting on the task's test split."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    intrinsic: IntrinsicConfig = Field(default_factory=IntrinsicConfig)
+    prompting: PromptConfig | None = Field(
+        None,
+        description="Zero/few-shot classification of the task by prompting (GPT, T5). A "
+        "sentence-pair regression task (STS) is scored by embedding cosine instead.",
+    )
+    split: str = Field("test", description="Task split scored by prompting.")
+    max_examples: int | None = Field(
+        None, ge=1, description="Cap on the prompted examples (scoring is one pass per label)."
+    )
+
+
+def evaluate_model(
+    model_dir: Path,
+    cfg: EvaluateConfig,
+    *,
+    seed: int = 0,
+    examples: tuple[Path, Path] | None = None,
+    task_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Evaluate the model in `model_dir`; return every result as plain data.
+
+    Args:
+        model_dir: A Hugging Face directory of family bert, roberta, gpt2, llama or t5.
+        cfg: What to run.
+        seed: Seed of the held-out split's masking.
+        examples: (examples dir, tokenizer dir) of its pretraining, for held-out metrics.
+        task_dir: A prepared classification task, for prompting.
+    """
+    family = json.loads((model_dir / "config.json").read_text())["model_type"]
+    model, tok = load_export(model_dir, family)
+    out: dict[str, Any] = {"model_dir": str(model_dir), "family": family}
+    if examples is not None:
+        out["heldout"] = heldout_metrics(model, examples[0], examples[1], seed, cfg.intrinsic)
+    if family in ENCODERS:
+        out["fill_mask"] = fill_mask_probes(
+            model, tok, cfg.intrinsic.fill_mask, cfg.intrinsic.top_k
+        )
+    else:
+        out["generation"] = generation_samples(
+            model, tok, cfg.intrinsic.prompts, cfg.intrinsic.decodings
+        )
+    if task_dir is not None:
+        manifest, tables = read_downstream_dir(task_dir)
+        if manifest["task_type"] == "regression" and manifest.get("pair"):
+            out["similarity"] = _similarity(model, tok, tables, cfg)
+        elif cfg.prompting is not None and family not in ENCODERS:
+            out["prompting"] = _prompting(model, tok, task_dir, cfg)
+    return out
+
+
+def _similarity(
+    model: Any, tok: Any, tables: dict[str, Any], cfg: EvaluateConfig
+) -> dict[str, Any]:
+    """Cosine of the two sentences' embeddings against the gold scores (STS protocol)."""
+    if cfg.split not in tables:
+        raise ValueError(f"similarity: no {cfg.split!r} split (has {sorted(tables)})")
+    table = tables[cfg.split]
+    if cfg.max_examples is not None:
+        table = table.slice(0, cfg.max_examples)
+    size = cfg.intrinsic.batch_size
+    left = sentence_embeddings(model, tok, table.column(schema.TEXT).to_pylist(), size)
+    right = sentence_embeddings(model, tok, table.column(schema.TEXT_PAIR).to_pylist(), size)
+    gold = table.column(schema.LABEL).to_numpy()
+    metrics = embedding_similarity_metrics(left, right, gold)
+    return {"examples": table.num_rows, "metrics": metrics}
+
+
+def _prompting(model: Any, tok: Any, task_dir: Path, cfg: EvaluateConfig) -> dict[str, Any]:
+    assert cfg.prompting is not None
+    manifest, tables = read_downstream_dir(task_dir)
+    if manifest["task_type"] != "classification":
+        raise ValueError(f"{task_dir}: prompting needs a classification task")
+    if cfg.split not in tables:
+        raise ValueError(f"{task_dir}: no {cfg.split!r} split (has {sorted(tables)})")
+    table = tables[cfg.split]
+    if cfg.max_examples is not None:
+        table = table.slice(0, cfg.max_examples)
+    labels = [str(x) for x in manifest["labels"]]
+    scores = classify_by_prompting(model, tok, table, labels, cfg.prompting, tables.get("train"))
+    gold = [labels[i] for i in table.column(schema.LABEL).to_pylist()]
+    metrics = compute_metrics("classification", scores.probabilities(), gold, labels=labels)
+    return {"k_shot": cfg.prompting.k_shot, "examples": table.num_rows, "metrics": metrics}
+
+
+def evaluation_report(result: dict[str, Any], out: Path) -> tuple[list[Path], str]:
+    """Write `evaluation.md` / `.html` for an `evaluate_model` result; return files and text."""
+    sections: list[tuple[str, str]] = []
+    if "heldout" in result:
+        sections.append(
+            ("Held-out", markdown_table(["metric", "value"], sorted(result["heldout"].items())))
+        )
+    for probe in result.get("fill_mask", []):
+        fillers = [(f["token"], f["probability"]) for f in probe["fillers"]]
+        sections.append((f"Fill-mask: {probe['text']}", markdown_table(["token", "p"], fillers)))
+    if "generation" in result:
+        samples = [
+            (json.dumps(g["decoding"]), g["prompt"], g["output"]) for g in result["generation"]
+        ]
+        sections.append(
+            ("Generation samples", markdown_table(["decoding", "prompt", "output"], samples))
+        )
+    if "similarity" in result:
+        rows = sorted(result["similarity"]["metrics"].items())
+        head = f"Sentence-embedding similarity ({result['similarity']['examples']} pairs)"
+        sections.append((head, markdown_table(["metric", "value"], rows)))
+    if "prompting" in result:
+        p = result["prompting"]
+        rows = sorted(p["metrics"].items())
+        sections.append(
+            (
+                f"Prompting ({p['k_shot']}-shot, {p['examples']} examples)",
+                markdown_table(["metric", "value"], rows),
+            )
+        )
+    if "finetuned" in result:
+        tuned = result["finetuned"]
+        rows = [(f"test {k}", v) for k, v in sorted(tuned["test"].items())]
+        rows += [
+            (k.replace("_", " "), tuned[k]) for k in ("model_name", "model_version") if k in tuned
+        ]
+        sections.append(("Fine-tuned model", markdown_table(["what", "value"], rows)))
+    title = f"Evaluation: {result['family']} at {result['model_dir']}"
+    text = "\n\n".join([f"# {title}", *(f"## {h}\n\n{b}" for h, b in sections)]) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "evaluation.md").write_text(text, encoding="utf-8")
+    (out / "evaluation.html").write_text(html_page(title, sections, []), encoding="utf-8")
+    write_json_atomic(out / "evaluation.json", result)
+    return [out / "evaluation.md", out / "evaluation.html", out / "evaluation.json"], text
+
+
+def _numbers(result: dict[str, Any]) -> dict[str, float]:
+    metrics = {f"heldout_{k}": float(v) for k, v in result.get("heldout", {}).items()}
+    sim = result.get("similarity", {}).get("metrics", {})
+    metrics |= {f"similarity_{k}": float(v) for k, v in sim.items()}
+    tuned = result.get("finetuned", {}).get("test", {})
+    metrics |= {f"finetuned_test_{k}": float(v) for k, v in tuned.items()}
+    if "prompting" in result:
+        k = result["prompting"]["k_shot"]
+        metrics |= {
+            f"prompt{k}shot_{m}": float(v) for m, v in result["prompting"]["metrics"].items()
+        }
+    return metrics
+
+
+def evaluate_fingerprint(
+    model_dir: Path,
+    cfg: EvaluateConfig,
+    seed: int,
+    examples: tuple[Path, Path] | None,
+    task_dir: Path | None,
+    finetuned: dict[str, Any] | None,
+) -> str:
+    """The evaluation's identity: the model, its data, the config, the seed and the code."""
+    from training.finetune.stage import model_fingerprint
+
+    def manifest_fp(path: Path) -> str:
+        return str(json.loads((path / "manifest.json").read_text())["fingerprint"])
+
+    return fingerprint(
+        {
+            "model": model_fingerprint(model_dir),
+            "evaluate": cfg.model_dump(mode="json"),
+            "seed": seed,
+            "examples": [manifest_fp(p) for p in examples] if examples else None,
+            "task": manifest_fp(task_dir) if task_dir else None,
+            "finetuned": _finetuned_identity(finetuned),
+            "code": source_hash("tasks", "training"),
+        }
+    )
+
+
+def _finetuned_identity(finetuned: dict[str, Any] | None) -> str | None:
+    # A fine-tuning run directory is named by its own identity (data, model, config, seed).
+    return Path(finetuned["run_dir"]).name if finetuned else None
+
+
+def _finetuned_section(finetuned: dict[str, Any]) -> dict[str, Any]:
+    """What the report shows of the fine-tuned model: its test metrics and where it is."""
+    keys = ("export_dir", "model_name", "model_version", "strategy", "best_epoch")
+    return {k: finetuned[k] for k in keys if k in finetuned} | {"test": finetuned["test"]}
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_task(
+    model_dir: str,
+    cfg: EvaluateConfig,
+    tracking: TrackingConfig,
+    workspace: str,
+    run_name: str,
+    seed: int = 0,
+    examples: tuple[str, str] | None = None,
+    task_dir: str | None = None,
+    finetuned: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Prefect task: evaluate (or reuse), write the report, log it to MLflow, publish it.
+
+    The output is `<workspace>/evaluate/<fingerprint>/`; an evaluation with the same model,
+    data, config, seed, fine-tuned model and code is reused as it is (`reused: true`). With
+    `finetuned` (a fine-tuning summary), the report also shows the fine-tuned model's test
+    metrics.
+    """
+    examples_paths = (Path(examples[0]), Path(examples[1])) if examples else None
+    task_path = Path(task_dir) if task_dir else None
+    fp = evaluate_fingerprint(Path(model_dir), cfg, seed, examples_paths, task_path, finetuned)
+    out = Path(workspace) / "evaluate" / fp
+    done = complete_manifest(out)
+    if done is not None:
+        log.info("evaluation %s already done: reused", fp)
+        return dict(done["summary"]) | {"path": str(out), "reused": True}
+    remove_stale_temps(out)
+    tmp = temp_dir_beside(out)
+    result = evaluate_model(
+        Path(model_dir), cfg, seed=seed, examples=examples_paths, task_dir=task_path
+    )
+    if finetuned:
+        result["finetuned"] = _finetuned_section(finetuned)
+    files, text = evaluation_report(result, tmp)
+    if tracking.enabled and tracking.tracking_uri:
+        uri = tracking.tracking_uri
+        tags = {"stage": "evaluate", "lmpipe.stage": "evaluate", "lmpipe.fingerprint": fp}
+        run_id = open_run(tracking, uri, Path(workspace), f"{run_name}-evaluate", tags)
+        tracker = MlflowTracker(uri, run_id)
+        tracker.log_metrics(_numbers(result))
+        for path in files:
+            tracker.log_artifact(path, "evaluation")
+        set_run_status(uri, run_id, "FINISHED")
+        result["mlflow_run_id"] = run_id
+    summary = {"stage": "evaluate", "fingerprint": fp, **result}
+    manifest = {
+        "stage": "evaluate",
+        "fingerprint": fp,
+        "files": [file_entry(tmp, path) for path in files],
+        "metrics": _numbers(result),
+        "summary": summary,
+    }
+    write_json_atomic(tmp / "manifest.json", manifest)
+    commit_dir(tmp, out)
+    create_markdown_artifact(text, key="evaluation", description="Model evaluation")
+    return summary | {"path": str(out), "reused": False}

@@ -1,0 +1,1 @@
+"""Fine-tuning: config, data, loop, strategies, adapters, comparison, the stage."""

@@ -1,0 +1,1 @@
+"""Downstream tables to model inputs, per task type, and their collators."""

@@ -1,0 +1,259 @@
+"""The per-worker fine-tuning loop: strategy, engine, epochs, validation, early stopping, export.
+
+`finetune_loop_per_worker(config)` is what Ray Train runs on every worker; `run_finetune_worker`
+is the same loop for any `WorkerContext`. It reuses the pretraining loop's pieces: the context
+(Ray reporting), the engine (DeepSpeed or DDP, `training/runtime/engine.py`), the DeepSpeed config
+builder and the tracker. Every rank evaluates its share of the validation split; predictions
+are gathered so every rank takes the same early-stopping decision.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+
+from training.finetune.config import FinetuneConfig
+from training.finetune.data import TaskData, read_prepared
+from training.finetune.early_stopping import EarlyStopping
+from training.finetune.evaluation import Evaluator
+from training.finetune.outputs import run_result, write_outputs
+from training.finetune.strategies import apply_strategy, head_prefixes_for
+from training.models.export import max_length
+from training.models.task_models import load_task_model
+from training.registry.tracking import MlflowTracker, NullTracker, Tracker
+from training.runtime.context import RayWorkerContext, WorkerContext
+from training.runtime.deepspeed import merge
+from training.runtime.engine import Engine, TorchEngine, initialize_deepspeed
+from training.runtime.schedule import GroupLRSchedule
+
+log = logging.getLogger(__name__)
+
+
+class FinetuneJob(BaseModel):
+    """Everything a fine-tuning worker needs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    finetune: FinetuneConfig
+    seed: int
+    data_dir: Path
+    model_dir: Path
+    config_hash: str
+    tracking_uri: str | None = None
+    mlflow_run_id: str | None = None
+
+
+def finetune_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train's entry point on every worker."""
+    job = FinetuneJob.model_validate(config)
+    run_finetune_worker(job, RayWorkerContext())
+
+
+def run_finetune_worker(job: FinetuneJob, ctx: WorkerContext) -> dict[str, Any]:
+    """Fine-tune, stop early on the validation metric, restore the best weights, export.
+
+    Returns the result rank 0 writes to `<run_dir>/result.json` (every rank returns it).
+    """
+    torch.set_num_threads(job.finetune.scale.threads_per_worker)
+    return FinetuneWorker(job, ctx).run()
+
+
+def _engine(job: FinetuneJob, model: torch.nn.Module, groups: list[dict[str, Any]]) -> Engine:
+    cfg, world = job.finetune, dist.get_world_size() if dist.is_initialized() else 1
+    accum = cfg.accumulation_steps(world)
+    if not cfg.deepspeed:
+        return TorchEngine(
+            model,
+            groups,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            accumulation_steps=accum,
+            grad_clip=cfg.grad_clip,
+        )
+    ds: dict[str, Any] = {
+        "train_batch_size": cfg.batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.lr,
+                "betas": list(cfg.betas),
+                "eps": cfg.eps,
+                "weight_decay": cfg.weight_decay,
+                "torch_adam": True,
+                "adam_w_mode": True,
+                "fused": True,  # as in pretraining (training/runtime/deepspeed.py)
+            },
+        },
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+    }
+    return initialize_deepspeed(model, groups, merge(ds, cfg.deepspeed_extra))  # type: ignore[no-any-return]
+
+
+def check_max_length(model: torch.nn.Module, cfg: FinetuneConfig) -> None:
+    """Refuse features longer than the model's position table (T5 has none: no limit).
+
+    Raises:
+        ValueError: naming `finetune.features.max_length` and the model's limit.
+    """
+    limit = max_length(model, default=1 << 30)  # type: ignore[arg-type]
+    if cfg.features.max_length > limit:
+        raise ValueError(
+            f"finetune.features.max_length={cfg.features.max_length} is longer than the "
+            f"model's {limit} positions; set it to {limit} or less (long inputs are windowed)"
+        )
+
+
+class FinetuneWorker:
+    """One rank's task model, strategy, engine, data and evaluator."""
+
+    def __init__(self, job: FinetuneJob, ctx: WorkerContext) -> None:
+        """Load data and model, apply the strategy, build engine and schedule."""
+        self.job, self.ctx, self.cfg = job, ctx, job.finetune
+        self.data: TaskData = read_prepared(job.data_dir, job.model_dir, self.cfg)
+        torch.manual_seed(job.seed)  # the same new head on every rank
+        model = load_task_model(
+            job.model_dir, self.data.spec, random_init=self.cfg.random_init, seed=job.seed
+        )
+        check_max_length(model, self.cfg)
+        self.plan = apply_strategy(model, self.cfg.strategy, head_prefixes_for(model))
+        groups = self.plan.param_groups(self.cfg.lr, self.cfg.weight_decay)
+        self.engine = _engine(job, self.plan.model, groups)
+        steps_per_epoch = self._batches_per_epoch()
+        total = max(1, steps_per_epoch * self.cfg.epochs)
+        self.schedule = GroupLRSchedule(
+            self.engine.optimizer,
+            warmup_steps=round(self.cfg.warmup_ratio * total),
+            total_steps=total,
+            decay=self.cfg.decay,
+        )
+        self.evaluator = Evaluator(self.data, self.cfg, ctx.rank, ctx.world_size)
+        stop = self.cfg.early_stopping
+        metric, higher = self.evaluator.watched_metric(stop.metric if stop else None)
+        self.stopper = EarlyStopping(
+            metric,
+            higher_is_better=higher,
+            patience=stop.patience if stop else self.cfg.epochs + 1,
+            min_delta=stop.min_delta if stop else 0.0,
+        )
+        self.tracker: Tracker = NullTracker()
+        if ctx.rank == 0 and job.tracking_uri and job.mlflow_run_id:
+            self.tracker = MlflowTracker(job.tracking_uri, job.mlflow_run_id)
+        self.step = 0
+        # Dropout differs across ranks; shuffling does not (one seeded order, split by rank).
+        torch.manual_seed(job.seed * 1000 + 17 + ctx.rank)
+
+    def _batches_per_epoch(self) -> int:
+        per_rank = len(self.data.train) // self.ctx.world_size
+        return max(1, per_rank // self.cfg.micro_batch_size) // self.cfg.accumulation_steps(
+            self.ctx.world_size
+        )
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """This rank's feature indices for `epoch`: a seeded permutation, split by rank."""
+        rng = np.random.default_rng([self.job.seed, epoch, 0xF17E])
+        order = rng.permutation(len(self.data.train))
+        accum = self.cfg.accumulation_steps(self.ctx.world_size)
+        per_step = self.cfg.micro_batch_size * self.ctx.world_size * accum
+        usable = max(per_step, len(order) - len(order) % per_step)
+        order = np.resize(order, usable)  # a tiny split wraps around instead of giving 0 steps
+        return order[self.ctx.rank :: self.ctx.world_size]
+
+    def run(self) -> dict[str, Any]:
+        """Train epoch by epoch until done or stopped; restore the best; test; export."""
+        history: list[dict[str, Any]] = []
+        started = time.perf_counter()
+        for epoch in range(self.cfg.epochs):
+            self.plan.on_epoch_start(epoch)
+            train_loss = self.train_epoch(epoch)
+            metrics = self.evaluator.evaluate(self.engine.module, "validation")
+            decision = self.stopper.update(epoch, metrics[self.stopper.metric], self.plan.model)
+            row = {"epoch": epoch, "step": self.step, "train_loss": train_loss, **metrics}
+            history.append(row)
+            self._log(row)
+            self.ctx.report({k: v for k, v in row.items() if _is_number(v)}, None)
+            if decision.stop:
+                break
+        self.stopper.restore(self.plan.model)
+        train_time = time.perf_counter() - started
+        test = self.evaluator.evaluate(self.engine.module, "test", keep_predictions=True)
+        preds = self.evaluator.predictions.get("test")
+        result = run_result(
+            self.data,
+            history,
+            self.stopper,
+            test,
+            preds,
+            self.plan,
+            train_time,
+            self.cfg.random_init,
+        )
+        if self.ctx.rank == 0:
+            write_outputs(self.ctx.run_dir, self.data, self.plan, result, preds, self._card(result))
+        _barrier()
+        return result
+
+    def _card(self, result: dict[str, Any]) -> str:
+        """The export's README: base model, task, strategy, metrics."""
+        rows = [
+            ("base model", str(self.job.model_dir)),
+            ("initialisation", "random" if self.cfg.random_init else "pretrained"),
+            ("task type", self.data.task_type),
+            ("strategy", self.cfg.strategy.name),
+            ("best epoch", str(result["best_epoch"] + 1)),
+            *((f"test {k}", f"{v:.4f}") for k, v in sorted(result["test"].items())),
+        ]
+        table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+        return f"# Fine-tuned with lmpipe\n\n| field | value |\n|---|---|\n{table}\n"
+
+    def train_epoch(self, epoch: int) -> float:
+        """One pass over this rank's share of the training features; the mean loss."""
+        self.engine.module.train()
+        order = self._epoch_order(epoch)
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        for start in range(0, len(order), self.cfg.micro_batch_size):
+            ids = order[start : start + self.cfg.micro_batch_size]
+            batch = self.data.batch("train", ids, self.engine.device)
+            loss = self.data.loss(self.engine, batch)
+            self.engine.backward(loss)
+            boundary = self.engine.is_gradient_accumulation_boundary()
+            self.engine.step()
+            if boundary:
+                self.schedule.step()
+                self.step += 1
+            total += float(loss.detach())
+            count += 1
+        stats = torch.tensor([float(total), float(count)], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(stats)
+        return float(stats[0]) / max(float(stats[1]), 1.0)
+
+    def _log(self, row: dict[str, Any]) -> None:
+        if self.ctx.rank != 0:
+            return
+        numbers = {k: float(v) for k, v in row.items() if _is_number(v) and k != "epoch"}
+        self.tracker.log_metrics(numbers, step=int(row["epoch"]))
+        with open(self.ctx.run_dir / "history.jsonl", "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        log.info("epoch %d: %s", row["epoch"], {k: round(v, 4) for k, v in numbers.items()})
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,245 @@
+"""The fine-tuning stage: one Ray Train run per (task data, base model, config, seed), in MLflow.
+
+`run_finetune` trains on Ray (`training/finetune/loop.py`) into `<storage>/<run id>/`, where the
+run id hashes the prepared task data, the base model's files, the config and the seed, so the
+same inputs reuse a finished run. `finetune_stage` adds tracking: params, per-epoch metrics,
+test metrics, the report artifact, and registration of the export with lineage to its base.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from tasks.common.io import fingerprint, flatten, sha256_file, source_hash, write_json_atomic
+from tasks.common.ray_runtime import RayConfig
+from training.finetune.config import FinetuneConfig
+from training.finetune.loop import FinetuneJob, finetune_loop_per_worker
+from training.finetune.outputs import EXPORT_DIR, RESULT_FILE
+from training.registry.model_ref import BaseModelRef, resolve_base_model
+from training.registry.registry import register_export
+from training.registry.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
+from training.runtime.launcher import fit_on_ray
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FinetuneRun:
+    """A finished fine-tuning run: its directory, result and export."""
+
+    run_dir: Path
+    result: dict[str, Any]
+
+    @property
+    def export_dir(self) -> Path:
+        """The fine-tuned model in Hugging Face format."""
+        return self.run_dir / EXPORT_DIR
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """A hash of a model directory's config and weight files (what fine-tuning starts from)."""
+    files = sorted(
+        p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file()
+    )
+    return fingerprint({p.name: sha256_file(p) for p in files})
+
+
+def finetune_run_id(cfg: FinetuneConfig, seed: int, data_dir: Path, model_dir: Path) -> str:
+    """The run's identity: task data and base model fingerprints, the config, seed and code."""
+    data = json.loads((data_dir / "manifest.json").read_text())["fingerprint"]
+    train = cfg.model_dump(mode="json", exclude={"register_model", "model_name", "alias", "base"})
+    return fingerprint(
+        {
+            "data": data,
+            "model": model_fingerprint(model_dir),
+            "finetune": train,
+            "seed": seed,
+            "code": source_hash("tasks", "training"),
+        }
+    )
+
+
+def run_finetune(
+    cfg: FinetuneConfig,
+    seed: int,
+    data_dir: Path,
+    model_dir: Path,
+    root: Path,
+    ray_cfg: RayConfig,
+    *,
+    tracking_uri: str | None = None,
+    mlflow_run_id: str | None = None,
+) -> FinetuneRun:
+    """Fine-tune on Ray Train (or reuse the finished run with the same identity)."""
+    run_id = finetune_run_id(cfg, seed, data_dir, model_dir)
+    run_dir = root / run_id
+    if (run_dir / RESULT_FILE).is_file():
+        log.info("fine-tuning run %s already finished: reused", run_id)
+        return FinetuneRun(run_dir, json.loads((run_dir / RESULT_FILE).read_text()))
+    if run_dir.is_dir():
+        shutil.rmtree(run_dir)  # an unfinished attempt: fine-tuning restarts from its base
+    run_dir.mkdir(parents=True)
+    job = FinetuneJob(
+        finetune=cfg,
+        seed=seed,
+        data_dir=data_dir.resolve(),
+        model_dir=model_dir.resolve(),
+        config_hash=run_id,
+        tracking_uri=tracking_uri,
+        mlflow_run_id=mlflow_run_id,
+    )
+    loop_config = job.model_dump(mode="json")
+    fit_on_ray(finetune_loop_per_worker, loop_config, cfg.scale, run_dir, ray_cfg)
+    if not (run_dir / RESULT_FILE).is_file():
+        raise RuntimeError(f"{run_dir}: fine-tuning ended without {RESULT_FILE}")
+    return FinetuneRun(run_dir, json.loads((run_dir / RESULT_FILE).read_text()))
+
+
+def finetune_stage(
+    cfg: FinetuneConfig,
+    seed: int,
+    data_dir: Path,
+    model_dir: Path,
+    workspace: Path,
+    ray_cfg: RayConfig,
+    tracking: TrackingConfig,
+    run_name: str,
+    lineage: dict[str, str],
+) -> dict[str, Any]:
+    """Fine-tune, log to MLflow (params, epochs, test metrics, report), register the export.
+
+    Args:
+        cfg: The `finetune` section.
+        seed: Seed of the new head, the data order and dropout.
+        data_dir: A prepared downstream task (`tasks/downstream/downstream.py`).
+        model_dir: The base model, a Hugging Face directory.
+        workspace: Holds `finetune/<run id>/`.
+        ray_cfg: Where Ray runs.
+        tracking: MLflow settings.
+        run_name: MLflow run name prefix and default registered-model prefix.
+        lineage: Tags that trace the base model (e.g. `base_model_name`, `base_model_version`).
+
+    Returns:
+        A summary: run directory, result (metrics, best epoch, trainable parameters, time),
+        export directory, MLflow run id and registered version (when registered).
+    """
+    root = (workspace / "finetune").resolve()
+    run_id = finetune_run_id(cfg, seed, data_dir, model_dir)
+    record_file = root / f"{run_id}.run.json"
+    if record_file.is_file():
+        return dict(json.loads(record_file.read_text())) | {"reused": True}
+    uri = tracking.tracking_uri if tracking.enabled else None
+    mlflow_run: str | None = None
+    task = json.loads((data_dir / "manifest.json").read_text())
+    if uri is not None:
+        tags = {"stage": "finetune", "finetune_run": run_id, "task_type": task["task_type"]}
+        mlflow_run = open_run(tracking, uri, workspace, f"{run_name}-finetune", tags | lineage)
+        MlflowTracker(uri, mlflow_run).log_params(
+            flatten({"finetune": cfg.model_dump(mode="json"), "seed": seed})
+        )
+    try:
+        run = run_finetune(
+            cfg,
+            seed,
+            data_dir,
+            model_dir,
+            root,
+            ray_cfg,
+            tracking_uri=uri,
+            mlflow_run_id=mlflow_run,
+        )
+        summary = {"run_dir": str(run.run_dir), "export_dir": str(run.export_dir), **run.result}
+        summary["mlflow_run_id"] = mlflow_run
+        if uri is not None and mlflow_run is not None:
+            summary |= _publish(run, cfg, uri, mlflow_run, run_name, task, lineage)
+    except BaseException:
+        if uri is not None and mlflow_run is not None:
+            set_run_status(uri, mlflow_run, "FAILED")
+        raise
+    if uri is not None and mlflow_run is not None:
+        set_run_status(uri, mlflow_run, "FINISHED")
+    write_json_atomic(record_file, summary)
+    return summary | {"reused": False}
+
+
+def _publish(
+    run: FinetuneRun,
+    cfg: FinetuneConfig,
+    uri: str,
+    mlflow_run: str,
+    run_name: str,
+    task: dict[str, Any],
+    lineage: dict[str, str],
+) -> dict[str, Any]:
+    from training.evaluate.report import finetune_report
+
+    tracker = MlflowTracker(uri, mlflow_run)
+    test = {f"test_{k}": float(v) for k, v in run.result["test"].items()}
+    tracker.log_metrics(test | {"best_epoch": float(run.result["best_epoch"])})
+    for path in finetune_report(run.run_dir, run.result, task):
+        tracker.log_artifact(path, "report")
+    if not cfg.register_model:
+        return {}
+    family = json.loads((run.export_dir / "config.json").read_text())["model_type"]
+    name = cfg.model_name or f"{run_name}-{task.get('name', task['task_type'])}"
+    tags = lineage | {"finetune_run": run.run_dir.name, "task_type": task["task_type"]}
+    ref = register_export(
+        run.export_dir, family, uri, mlflow_run, name, cfg.alias, tags, task["task_type"]
+    )
+    return {"model_name": ref.name, "model_version": ref.version, "model_uri": ref.model_uri}
+
+
+@task(name="finetune", cache_policy=NO_CACHE)
+def finetune_task(
+    cfg: FinetuneConfig,
+    seed: int,
+    data_dir: str,
+    model_dir: str,
+    workspace: str,
+    ray_cfg: RayConfig,
+    tracking: TrackingConfig,
+    run_name: str,
+    lineage: dict[str, str],
+) -> dict[str, Any]:
+    """Prefect task: `finetune_stage` on paths; publishes the report as a Markdown artifact."""
+    summary = finetune_stage(
+        cfg,
+        seed,
+        Path(data_dir),
+        Path(model_dir),
+        Path(workspace),
+        ray_cfg,
+        tracking,
+        run_name,
+        lineage,
+    )
+    report = Path(summary["run_dir"]) / "report" / "report.md"
+    if report.is_file():
+        create_markdown_artifact(
+            report.read_text(), key=_artifact_key(f"{run_name}-finetune"), description="Fine-tuning"
+        )
+    return summary
+
+
+@task(name="resolve-base-model", cache_policy=NO_CACHE)
+def resolve_base_model_task(
+    ref: BaseModelRef, tracking: TrackingConfig, workspace: str
+) -> tuple[str, dict[str, str]]:
+    """Prefect task: `resolve_base_model` (download a registry version when needed)."""
+    uri = tracking.tracking_uri if tracking.enabled else None
+    path, lineage = resolve_base_model(ref, uri, Path(workspace))
+    return str(path), lineage
+
+
+def _artifact_key(name: str) -> str:
+    # Prefect artifact keys: lowercase letters, digits and dashes only.
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")[:60] or "report"

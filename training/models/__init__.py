@@ -1,0 +1,1 @@
+"""Model families, presets, FLOPs, ELECTRA, distillation, task models, export."""

@@ -1,0 +1,387 @@
+"""Export a trained model as a Hugging Face directory, check it reloads, and load outside weights.
+
+Here: consolidating DeepSpeed checkpoints into fp32 weights (`gather_state_dict`), the model card
+(`ModelCard`, `render_card`, `read_card`), the atomic export (`export_model`), the reload check
+(`reload_check`) and the safetensors-only loader for user weights (`load_external_weights`).
+Not here: building models (`training/models/models.py`) and the MLflow registry
+(`training/registry/registry.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file
+from torch import Tensor
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from training.models.models import FAMILIES, PAD_OFFSET_POSITIONS, Family
+
+log = logging.getLogger(__name__)
+
+ModelFamily = Family
+
+# The Auto class that reloads each family's pretraining head from an export.
+AUTO_CLASSES: dict[str, Any] = {family: spec.auto for family, spec in FAMILIES.items()}
+# transformers 5 has no text2text-generation pipeline; T5 and BART serve as text-generation
+# (STACK_NOTES §3, §4).
+PIPELINE_TASKS: dict[str, str] = {
+    family: "fill-mask" if spec.kind == "encoder" else "text-generation"
+    for family, spec in FAMILIES.items()
+}
+GENERATIVE = frozenset(family for family, spec in FAMILIES.items() if spec.kind != "encoder")
+# Fine-tuned exports (keyed by downstream task type, tasks/common/schema.py): the Auto class that
+# reloads them and the MLflow/transformers pipeline task they serve.
+TASK_AUTO_CLASSES: dict[str, Any] = {
+    "classification": AutoModelForSequenceClassification,
+    "regression": AutoModelForSequenceClassification,
+    "token_classification": AutoModelForTokenClassification,
+    "question_answering": AutoModelForQuestionAnswering,
+    "seq2seq": AutoModelForSeq2SeqLM,
+    "causal_lm": AutoModelForCausalLM,
+}
+TASK_PIPELINES: dict[str, str] = {
+    "classification": "text-classification",
+    "regression": "text-classification",
+    "token_classification": "token-classification",
+    "question_answering": "question-answering",
+    "seq2seq": "text-generation",
+    "causal_lm": "text-generation",
+}
+# Weight formats that unpickle on load, so can run code: never read from outside.
+PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"})
+_LOAD_KWARGS = ("local_files_only", "is_local")
+
+
+class ExportCheckError(RuntimeError):
+    """An export does not reload faithfully (loss, keys or vocabulary differ)."""
+
+
+class UnsafeWeightsError(ValueError):
+    """A weights directory holds only pickle files, which can run code when loaded."""
+
+
+def gather_state_dict(checkpoint_dir: Path, tag: str) -> dict[str, Tensor]:
+    """Consolidate the full fp32 weights of a DeepSpeed checkpoint of any ZeRO stage (0-3).
+
+    Stages 1-3 keep fp32 master weights in `*_optim_states.pt` partitions, which DeepSpeed's
+    `zero_to_fp32` merges. Stage 0 writes no partitions (and `zero_to_fp32` fails on it), so the
+    module states are read directly; under bf16/fp16 at stage 0 they are the half-precision
+    weights, upcast here. DeepSpeed's partitions are pickles: call it only on a checkpoint that
+    `training.runtime.checkpoint.validate` passed (as `export_checkpoint` does), or on your own
+    files.
+
+    Args:
+        checkpoint_dir: The directory given to `engine.save_checkpoint`.
+        tag: The checkpoint tag (its subdirectory).
+
+    Returns:
+        Parameter and buffer names (any DDP `module.` prefix stripped) to fp32 CPU tensors.
+    """
+    ds_dir = checkpoint_dir / tag
+    if not ds_dir.is_dir():
+        raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {checkpoint_dir}")
+    if any(ds_dir.glob("*optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(io.StringIO()) as report:  # it prints its progress
+            state: dict[str, Tensor] = get_fp32_state_dict_from_zero_checkpoint(
+                str(checkpoint_dir), tag=tag
+            )
+        log.debug("zero_to_fp32: %s", report.getvalue())
+    else:
+        # The model states hold only tensors and plain containers: no pickle code needed.
+        saved = torch.load(ds_dir / "mp_rank_00_model_states.pt", weights_only=True)
+        state = saved["module"]
+        if any(t.is_floating_point() and t.dtype != torch.float32 for t in state.values()):
+            log.warning("stage-0 checkpoint %s has no fp32 master weights; upcasting", ds_dir)
+    return {
+        key.removeprefix("module."): t.float() if t.is_floating_point() else t
+        for key, t in state.items()
+    }
+
+
+class DataRef(BaseModel):
+    """The example-stage output a model was trained on."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    path: str = Field(description="URI or path of the example stage's manifest.")
+    fingerprint: str = Field(description="The example stage's output fingerprint.")
+
+
+class TokenizerRef(BaseModel):
+    """The tokenizer a model was trained with."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    fingerprint: str = Field(description="The tokenizer stage's output fingerprint.")
+    family: str = Field(description="wordpiece, bpe or unigram.")
+    vocab_size: int = Field(gt=0, description="Tokens in the vocabulary, specials included.")
+
+
+class ModelCard(BaseModel):
+    """What a model is and how it was made; rendered as the export's README.md."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    family: ModelFamily = Field(description="Model family (bert, roberta, gpt2, llama, t5).")
+    size: str = Field(description="Named size from the model registry, e.g. tiny or base.")
+    parameters: int = Field(ge=0, description="Number of parameters (tied weights once).")
+    objective: str = Field(description="Pretraining objective, e.g. mlm+nsp, clm, span.")
+    steps: int = Field(ge=0, description="Optimizer steps taken.")
+    tokens_seen: int = Field(ge=0, description="Training tokens consumed, padding excluded.")
+    data: DataRef
+    tokenizer: TokenizerRef
+    metrics: dict[str, float] = Field(default_factory=dict, description="Final metrics.")
+    deepspeed: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="DeepSpeed summary: ZeRO stage, precision, batch."
+    )
+    git_commit: str = Field(description="Commit of the code that trained the model.")
+    created: datetime = Field(default_factory=lambda: datetime.now(UTC), description="UTC.")
+
+
+def _table(rows: Mapping[str, object]) -> str:
+    lines = ["| field | value |", "|---|---|"]
+    lines += [f"| {key} | {value} |" for key, value in rows.items()]
+    return "\n".join(lines)
+
+
+def render_card(card: ModelCard) -> str:
+    """Render `card` as a Hugging Face README: YAML front matter, then readable sections."""
+    front = {
+        "library_name": "transformers",
+        "pipeline_tag": PIPELINE_TASKS[card.family],
+        "tags": ["lmpipe", card.family, card.objective],
+        "lmpipe": card.model_dump(mode="json"),  # the card itself, for `read_card`
+    }
+    d = card.data
+    t = card.tokenizer
+    sections = [
+        f"# {card.family}-{card.size}",
+        f"A {card.parameters:,}-parameter {card.family} model pretrained with lmpipe "
+        f"({card.objective}, {card.steps:,} steps, {card.tokens_seen:,} tokens).",
+        "## Model\n\n"
+        + _table({"family": card.family, "size": card.size, "parameters": card.parameters}),
+        "## Training\n\n"
+        + _table(
+            {"objective": card.objective, "steps": card.steps, "tokens seen": card.tokens_seen}
+        ),
+        "## Data\n\n" + _table({"manifest": d.path, "fingerprint": d.fingerprint}),
+        "## Tokenizer\n\n"
+        + _table({"family": t.family, "vocab size": t.vocab_size, "fingerprint": t.fingerprint}),
+        "## Final metrics\n\n" + (_table(card.metrics) if card.metrics else "None recorded."),
+        "## DeepSpeed\n\n" + (_table(card.deepspeed) if card.deepspeed else "Not used."),
+        "## Provenance\n\n"
+        + _table({"git commit": card.git_commit, "created": card.created.isoformat()}),
+    ]
+    return (
+        "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n" + "\n\n".join(sections) + "\n"
+    )
+
+
+def read_card(hf_dir: Path) -> ModelCard:
+    """Parse the `ModelCard` back from an export's README.md front matter."""
+    text = (hf_dir / "README.md").read_text(encoding="utf-8")
+    _, front, _ = text.split("---\n", 2)
+    return ModelCard.model_validate(yaml.safe_load(front)["lmpipe"])
+
+
+def max_length(model: PreTrainedModel, default: int) -> int:
+    """Longest input the model's position embeddings allow (T5, relative positions: `default`)."""
+    config = model.config
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is None:
+        return default
+    if config.model_type in PAD_OFFSET_POSITIONS:  # position ids start after the padding index
+        return int(positions) - int(config.pad_token_id) - 1
+    return int(positions)
+
+
+def require_safetensors(model_dir: Path) -> list[Path]:
+    """Return the `*.safetensors` weight files of a model directory; never read a pickle one.
+
+    A directory that has pickle weights (`pytorch_model.bin`, `.pt`, `.ckpt`, ...) besides
+    safetensors is accepted: only the safetensors files are ever read.
+
+    Raises:
+        UnsafeWeightsError: The directory has only pickle weights: unpickling can run arbitrary
+            code, so they are never loaded.
+        FileNotFoundError: `model_dir` is not a directory, or it has no weights at all.
+    """
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir} is not a model directory")
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if shards:
+        return shards
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise UnsafeWeightsError(
+            f"{model_dir} has only pickle weights {pickles}; pickle can run code when "
+            "loaded. Convert them to safetensors where you trust the source, e.g. "
+            "`AutoModel.from_pretrained(dir).save_pretrained(new_dir)`, and pass new_dir."
+        )
+    raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+
+
+def assert_safetensors_only(hf_dir: Path) -> None:
+    """Raise `UnsafeWeightsError` if `hf_dir` holds any pickle weight file."""
+    pickles = sorted(p.name for p in hf_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise UnsafeWeightsError(f"{hf_dir} holds pickle weight files: {pickles}")
+
+
+def _save_tokenizer(model: PreTrainedModel, tokenizer_dir: Path, dst: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    tok.model_max_length = max_length(model, default=tok.model_max_length)
+    # transformers 5 records how *this* load happened; an export is not tied to our disk.
+    for key in _LOAD_KWARGS:
+        tok.init_kwargs.pop(key, None)
+    tok.save_pretrained(dst)
+
+
+def _publish(staged: Path, out_dir: Path) -> None:
+    """Move a finished `staged` dir to `out_dir`; an existing export is replaced, not merged."""
+    if not out_dir.exists():
+        staged.rename(out_dir)
+        return
+    old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+    out_dir.rename(old)
+    staged.rename(out_dir)
+    shutil.rmtree(old)
+
+
+def export_model(
+    model: PreTrainedModel, tokenizer_dir: Path, out_dir: Path, card: ModelCard
+) -> Path:
+    """Write `model`, its tokenizer and `card` as a Hugging Face directory at `out_dir`.
+
+    Everything is written into a temporary directory beside `out_dir` and renamed into place,
+    so a reader never sees a half-written export. Weights are safetensors only (transformers 5
+    `save_pretrained` writes nothing else); generative families get a `generation_config.json`.
+
+    Returns:
+        `out_dir`.
+    """
+    if model.config.model_type != card.family:
+        raise ValueError(f"card says {card.family}, model is {model.config.model_type}")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(staged)
+        if card.family in GENERATIVE and not (staged / "generation_config.json").exists():
+            GenerationConfig.from_model_config(model.config).save_pretrained(staged)
+        _save_tokenizer(model, tokenizer_dir, staged)
+        (staged / "README.md").write_text(render_card(card), encoding="utf-8")
+        assert_safetensors_only(staged)
+        _publish(staged, out_dir)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    log.info("exported %s-%s to %s", card.family, card.size, out_dir)
+    return out_dir
+
+
+def load_export(
+    hf_dir: Path, family: str, task_type: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load an export offline (safetensors only); refuse missing or unexpected keys.
+
+    The Auto class is the family's pretraining one, or the task's for a fine-tuned export
+    (`task_type`, one of `tasks.common.schema.DOWNSTREAM_TASK_TYPES`).
+
+    Raises:
+        UnsafeWeightsError: The directory has only pickle weights.
+        ExportCheckError: The weights do not match the family's model.
+    """
+    require_safetensors(hf_dir)  # before transformers looks at the directory at all
+    auto = AUTO_CLASSES[family] if task_type is None else TASK_AUTO_CLASSES[task_type]
+    model, info = auto.from_pretrained(
+        hf_dir, local_files_only=True, use_safetensors=True, output_loading_info=True
+    )
+    bad = {
+        k: v
+        for k, v in info.items()
+        if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v
+    }
+    if bad:
+        raise ExportCheckError(f"{hf_dir} does not match a {family} model: {bad}")
+    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    return model, tok
+
+
+def reload_check(
+    out_dir: Path,
+    family: str,
+    batch: Mapping[str, Tensor],
+    expected_loss: float,
+    loss_fn: Callable[[PreTrainedModel, Mapping[str, Tensor]], float],
+    rtol: float = 1e-4,
+) -> float:
+    """Reload an export offline and check its loss on a fixed batch matches the trained model.
+
+    Args:
+        out_dir: The export.
+        family: Model family; picks the Auto class.
+        batch: A fixed batch, the same one `expected_loss` was computed on.
+        expected_loss: The in-memory model's loss on `batch`, in eval mode.
+        loss_fn: Computes the loss of a model on a batch.
+        rtol: Relative tolerance.
+
+    Returns:
+        The reloaded model's loss.
+
+    Raises:
+        ExportCheckError: The loss differs beyond `rtol`, the weights do not match the family's
+            model, or the tokenizer has more tokens than the model has embedding rows.
+    """
+    model, tok = load_export(out_dir, family)
+    embeddings = model.get_input_embeddings()
+    if not isinstance(embeddings, torch.nn.Embedding):
+        raise ExportCheckError(f"input embeddings are a {type(embeddings).__name__}")
+    rows = embeddings.num_embeddings
+    if len(tok) > rows:
+        raise ExportCheckError(f"tokenizer has {len(tok)} tokens, the model {rows} embeddings")
+    model.train(False)  # eval mode: no dropout
+    with torch.no_grad():
+        loss = float(loss_fn(model, batch))
+    if not math.isclose(loss, expected_loss, rel_tol=rtol, abs_tol=1e-12):
+        raise ExportCheckError(
+            f"reloaded loss {loss!r} differs from expected {expected_loss!r} (rtol {rtol})"
+        )
+    return loss
+
+
+def load_external_weights(model_dir: Path) -> dict[str, Tensor]:
+    """Load a user's model weights from safetensors files only (one file or shards).
+
+    Raises:
+        UnsafeWeightsError: The directory holds only pickle weights (`pytorch_model.bin` and
+            the like): unpickling can run arbitrary code, so they are never loaded.
+        FileNotFoundError: There are no weights at all.
+    """
+    shards = require_safetensors(model_dir)
+    state: dict[str, Tensor] = {}
+    for shard in shards:
+        state.update(load_file(shard))
+    return state

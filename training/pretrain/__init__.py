@@ -1,0 +1,1 @@
+"""Pretraining: train config, data, loop, losses, length schedule, the stage."""

@@ -1,0 +1,242 @@
+"""The `train` section: what to pretrain, on how many workers, and how (optimizer, precision, ZeRO).
+
+The DeepSpeed dict is derived from this (`training/runtime/deepspeed.py`), never hand-written; extra
+DeepSpeed keys can still be passed through `deepspeed_extra`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from training.models.distill import DistillConfig
+from training.models.electra import ElectraConfig
+from training.models.models import ModelConfig
+from training.pretrain.length_schedule import LengthSchedule
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX tiles).
+
+    There bf16 autocast trains about 1.7x as fast as fp32 (docs/benchmarks.md); without them
+    bf16 is emulated and slower than fp32.
+    """
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu, private
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+class OptimConfig(BaseModel):
+    """AdamW with warm-up then decay; no weight decay on biases and norms."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    eps: float = Field(1e-6, gt=0, description="Adam epsilon.")
+    weight_decay: float = Field(
+        0.01, ge=0, description="Decoupled weight decay (not on biases/norms)."
+    )
+    grad_clip: float = Field(
+        1.0, ge=0, description="Max global gradient norm; 0 turns clipping off."
+    )
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps from 0 to `lr`.")
+    decay: Literal["linear", "cosine", "constant"] = Field(
+        "linear", description="Learning-rate decay after warm-up, down to `min_lr_ratio * lr`."
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate / peak.")
+
+
+class GuardConfig(BaseModel):
+    """What a non-finite or spiking loss does."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop",
+        description="A NaN/inf loss stops the run (stop) or leaves the weights as they "
+        "were for that step (skip).",
+    )
+    spike_factor: float | None = Field(
+        None,
+        gt=1,
+        description="A loss above this factor times the running mean is a spike; "
+        "None turns spike detection off.",
+    )
+    spike_window: int = Field(20, ge=2, description="Steps in the running mean of the loss.")
+    on_spike: Literal["stop", "skip"] = Field("skip", description="What a spike does.")
+    max_skips: int = Field(10, ge=0, description="Skipped steps in a row before the run stops.")
+
+
+class ScaleConfig(BaseModel):
+    """How many Ray Train workers, and what each gets."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks).")
+    use_gpu: bool = Field(False, description="One GPU per worker.")
+    cpus_per_worker: float = Field(1, gt=0, description="Logical CPUs Ray reserves per worker.")
+    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per worker.")
+    max_failures: int = Field(
+        2, ge=-1, description="Worker-group restarts from the latest checkpoint (-1: no limit)."
+    )
+    backend: Literal["gloo", "nccl"] | None = Field(
+        None,
+        description="torch.distributed backend; default nccl on GPU, gloo on CPU. nccl runs "
+        "with gloo beside it for CPU tensors (cpu:gloo,cuda:nccl).",
+    )
+    report_poll_s: float = Field(
+        0.2,
+        gt=0,
+        le=60,
+        description="How often Ray Train's controller polls the workers "
+        "(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S). It takes one report per poll and a worker's next "
+        "report waits for it, so every checkpoint or epoch report can wait this long; Ray's "
+        "own default of 2 s dominated short runs.",
+    )
+
+
+class CheckpointConfig(BaseModel):
+    """Where and how often checkpoints are written."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    every_steps: int = Field(50, ge=1, description="Save every N optimizer steps (and at the end).")
+    keep_last: int = Field(
+        2, ge=1, description="Complete checkpoints kept; older ones are removed."
+    )
+    storage_path: Path | None = Field(
+        None, description="Directory (local or shared) for runs; default <workspace>/pretrain."
+    )
+
+
+class EvalConfig(BaseModel):
+    """Held-out evaluation on the examples' validation split."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    every_steps: int = Field(50, ge=1, description="Evaluate every N steps (and at the end).")
+    max_samples: int = Field(512, ge=1, description="Validation examples per evaluation.")
+
+
+class TrainConfig(BaseModel):
+    """Pretraining: model, batch, optimizer, precision, ZeRO stage, checkpoints, evaluation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to train.")
+    global_batch_size: int = Field(32, ge=1, description="Samples per optimizer step, all ranks.")
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Samples per forward pass on one rank; None (default): the rank's whole "
+        "share of the global batch, so no gradient accumulation. Set it when that share does "
+        "not fit in memory.",
+    )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="Compute precision. auto (default) is bf16 on a GPU (scale.use_gpu) and on "
+        "a CPU with native bf16 matrix instructions (AVX512-BF16 or AMX), fp32 elsewhere; the "
+        "resolved value is what the config records. fp16 needs a GPU (loss scaling).",
+    )
+    zero_stage: int = Field(
+        0,
+        ge=0,
+        le=3,
+        description="DeepSpeed ZeRO stage. 0 (default, as in DeepSpeed itself) keeps a whole "
+        "optimizer state on every worker; 1, 2 and 3 partition the optimizer state, then the "
+        "gradients, then the weights across workers to fit larger models, at some cost per "
+        "step (ZeRO 2 on one worker: about 10% of a CPU step).",
+    )
+    compile: bool = Field(False, description="torch.compile the model.")
+    sparse_mlm: bool = Field(
+        True, description="Compute masked-LM logits only at masked positions (as BERT does)."
+    )
+    document_masking: bool = Field(
+        False, description="causal: restart positions and block attention at document starts."
+    )
+    length_schedule: LengthSchedule | None = Field(
+        None,
+        description="Sequence length by step (training/pretrain/length_schedule.py): `staged` "
+        "stages or "
+        "`alternate` short and full-length steps; None trains at the examples' length.",
+    )
+    electra: ElectraConfig = Field(
+        default_factory=ElectraConfig,
+        description="model.family electra: the generator and the discriminator loss weight.",
+    )
+    distillation: DistillConfig | None = Field(
+        None,
+        description="model.family distilbert: distil from this BERT teacher "
+        "(training/models/distill.py); "
+        "None trains DistilBERT with MLM alone.",
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    scale: ScaleConfig = Field(default_factory=ScaleConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    log_every_steps: int = Field(
+        20,
+        ge=1,
+        description="Read the training metrics from the device every N steps (also before "
+        "evaluation, checkpoints and the end): steps.jsonl gets every step, MLflow every N-th "
+        "and the last of each read.",
+    )
+    log_sample_ids: bool = Field(
+        False, description="Write the global sample ids each rank consumes, per step (audits)."
+    )
+    verify_shards: bool = Field(True, description="Check each example shard's sha256 at start.")
+    deepspeed_extra: dict[str, Any] = Field(
+        default_factory=dict, description="Extra DeepSpeed config keys, merged over the generated."
+    )
+    model_name: str | None = Field(
+        None, description="Registered model name; default <run name>-<family>."
+    )
+    alias: str = Field("candidate", description="Registry alias set on the new model version.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_auto_precision(cls, data: Any) -> Any:
+        # Resolved here, once, so that the saved config, the run identity and every worker
+        # see the same concrete precision.
+        if not isinstance(data, dict) or data.get("precision", "auto") != "auto":
+            return data
+        scale = data.get("scale")
+        use_gpu = (
+            scale.use_gpu if isinstance(scale, ScaleConfig) else bool((scale or {}).get("use_gpu"))
+        )
+        return {**data, "precision": "bf16" if use_gpu or cpu_has_native_bf16() else "fp32"}
+
+    @model_validator(mode="after")
+    def _distillation_needs_distilbert(self) -> TrainConfig:
+        if self.distillation is not None and self.model.family != "distilbert":
+            raise ValueError(
+                "train.distillation trains a DistilBERT student: set train.model.family to "
+                f"distilbert (it is {self.model.family})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fp16_needs_gpu(self) -> TrainConfig:
+        if self.precision == "fp16" and not self.scale.use_gpu:
+            raise ValueError("precision fp16 needs a GPU (scale.use_gpu); use bf16 or fp32 on CPU")
+        return self
+
+    def micro_batch(self, world_size: int) -> int:
+        """Samples per forward pass on one of `world_size` ranks (`micro_batch_size` resolved)."""
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        if self.global_batch_size % world_size:
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} must be a multiple of the "
+                f"workers ({world_size}), or set train.micro_batch_size"
+            )
+        return self.global_batch_size // world_size
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per rank per optimizer step; the global batch must split evenly."""
+        micro = self.micro_batch(world_size)
+        if self.global_batch_size % (micro * world_size):
+            raise ValueError(
+                f"train.global_batch_size={self.global_batch_size} must be a multiple of "
+                f"train.micro_batch_size ({micro}) x workers ({world_size})"
+            )
+        return self.global_batch_size // (micro * world_size)

@@ -1,0 +1,294 @@
+"""The pretraining stage: train on Ray, export to Hugging Face format, check, register in MLflow.
+
+`pretrain_stage` drives one run end to end and keeps its MLflow run open across resumes (the
+run id lives in `<storage>/<run>.run.json`); `export_checkpoint` turns any valid checkpoint into
+a checked Hugging Face directory (`lmpipe export`). `pretrain_task` is the Prefect wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.common.io import code_version, flatten, write_json_atomic
+from tasks.common.ray_runtime import RayConfig
+from training.evaluate.plots import loss_curve_png, step_history
+from training.models.export import (
+    DataRef,
+    ModelCard,
+    TokenizerRef,
+    export_model,
+    gather_state_dict,
+    reload_check,
+)
+from training.models.models import count_parameters
+from training.models.pretraining_model import build_export_model
+from training.pretrain.config import TrainConfig
+from training.pretrain.data import BatchBuilder, ExampleShards, dynamic_masker, read_manifest
+from training.pretrain.loop import EVAL_EPOCH
+from training.pretrain.losses import export_loss
+from training.registry.model_ref import resolve_base_model
+from training.registry.registry import register_export
+from training.registry.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
+from training.runtime import checkpoint as ckpt
+from training.runtime.faults import FaultPlan
+from training.runtime.launcher import TrainingRun, run_id_for, run_training, storage_root
+
+log = logging.getLogger(__name__)
+
+
+def export_checkpoint(checkpoint: Path, out_dir: Path) -> tuple[Path, ModelCard]:
+    """Gather a checkpoint's full weights (any ZeRO stage), export them, check the reload.
+
+    The export must reproduce, in fp32, the loss the training workers computed on the fixed
+    reference batch when they saved this checkpoint (rtol 1e-4 in fp32, 5e-2 in bf16/fp16).
+    """
+    meta = ckpt.validate(checkpoint)  # hashes first: DeepSpeed's files are pickles
+    cfg = TrainConfig.model_validate(meta["train"])
+    examples_dir, tokenizer_dir = Path(meta["examples_dir"]), Path(meta["tokenizer_dir"])
+    manifest = read_manifest(examples_dir)
+    specials = manifest["specials"]
+    objective = manifest["objective"]
+    length = manifest["config"]["block_size" if objective == "causal" else "max_seq_length"]
+    teacher = meta.get("teacher_dir")
+    model, prefix = build_export_model(
+        cfg, objective, specials["vocab_size"], specials, length, Path(teacher) if teacher else None
+    )
+    state = gather_state_dict(checkpoint, ckpt.TAG)
+    if prefix:  # ELECTRA's generator, or nothing else: keep only the exported part
+        state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if _is_tied(model, k)}
+    if set(missing) - tied or unexpected:
+        raise ckpt.CheckpointError(
+            f"{checkpoint}: weights do not fit the model: missing {sorted(set(missing) - tied)}, "
+            f"unexpected {sorted(unexpected)}"
+        )
+    card = _card(cfg, meta, manifest, tokenizer_dir, model)
+    export_model(model, tokenizer_dir, out_dir, card)
+    batch = reference_batch(meta, examples_dir, tokenizer_dir, cfg)
+
+    def loss_fn(m: Any, b: Any) -> float:
+        return float(export_loss(m, objective, b, cfg.sparse_mlm))
+
+    rtol = ckpt.reference_rtol(cfg.precision)
+    reload_check(out_dir, cfg.model.family, batch, meta["reference"]["loss"], loss_fn, rtol)
+    return out_dir, card
+
+
+def _is_tied(model: torch.nn.Module, key: str) -> bool:
+    # Tied output weights (GPT-2, T5) are not saved separately; load_state_dict reports them.
+    return key.endswith(("lm_head.weight", "decoder.weight")) and bool(
+        getattr(model.config, "tie_word_embeddings", False)
+    )
+
+
+def reference_batch(
+    meta: dict[str, Any], examples_dir: Path, tokenizer_dir: Path, cfg: TrainConfig
+) -> dict[str, torch.Tensor]:
+    """The fixed validation batch the workers computed `meta['reference']['loss']` on."""
+    manifest = read_manifest(examples_dir)
+    data = ExampleShards(examples_dir, "validation", verify=False)
+    indices = np.asarray(meta["reference"]["indices"], dtype=np.int64)
+    build = BatchBuilder(
+        manifest["objective"],
+        dynamic_masker(manifest, tokenizer_dir, int(meta["seed"])),
+        cfg.document_masking,
+        torch.float32,
+    )
+    return build(data.take(indices), indices, EVAL_EPOCH)
+
+
+def _card(
+    cfg: TrainConfig,
+    meta: dict[str, Any],
+    manifest: dict[str, Any],
+    tokenizer_dir: Path,
+    model: torch.nn.Module,
+) -> ModelCard:
+    tok = json.loads((tokenizer_dir / "manifest.json").read_text())
+    ds = meta["deepspeed"]
+    return ModelCard(
+        family=cfg.model.family,
+        size=cfg.model.size,
+        parameters=count_parameters(model),
+        objective=manifest["objective"],
+        steps=int(meta["step"]),
+        tokens_seen=int(meta.get("tokens_seen", 0)),
+        data=DataRef(path=meta["examples_dir"], fingerprint=manifest["fingerprint"]),
+        tokenizer=TokenizerRef(
+            fingerprint=tok["fingerprint"],
+            family=tok["config"]["family"],
+            vocab_size=int(manifest["specials"]["vocab_size"]),
+        ),
+        metrics={k: float(v) for k, v in meta.get("metrics", {}).items()},
+        deepspeed={
+            "zero_stage": int(ds["zero_optimization"]["stage"]),
+            "precision": cfg.precision,
+            "train_batch_size": int(ds["train_batch_size"]),
+            "world_size": int(meta["world_size"]),
+        },
+        git_commit=code_version("training")["git_commit"] or "unknown",
+    )
+
+
+def lineage_tags(meta: dict[str, Any], examples_dir: Path, tokenizer_dir: Path) -> dict[str, str]:
+    """Registry tags that trace a model version back to its data, tokenizer and code."""
+    examples = read_manifest(examples_dir)
+    encode = json.loads((Path(examples["encode"]["path"]) / "manifest.json").read_text())
+    tok = json.loads((tokenizer_dir / "manifest.json").read_text())
+    return {
+        "corpus_manifest": str(encode["inputs"]["ingest"]),
+        "tokenizer_sha256": str(tok.get("tags", {}).get("tokenizer_sha256", "")),
+        "tokenizer_fingerprint": str(tok["fingerprint"]),
+        "examples_fingerprint": str(examples["fingerprint"]),
+        "examples_config": json.dumps(examples["config"], sort_keys=True)[:5000],
+        "deepspeed_config": json.dumps(meta["deepspeed"], sort_keys=True)[:5000],
+        "git_commit": code_version("training")["git_commit"] or "unknown",
+        "train_run": str(meta["config_hash"]),
+        "step": str(meta["step"]),
+    }
+
+
+def pretrain_stage(
+    cfg: TrainConfig,
+    seed: int,
+    examples_dir: Path,
+    tokenizer_dir: Path,
+    workspace: Path,
+    ray_cfg: RayConfig,
+    tracking: TrackingConfig,
+    run_name: str,
+    *,
+    resume: bool = False,
+    stop_at_step: int | None = None,
+    fault: FaultPlan | None = None,
+) -> dict[str, Any]:
+    """Train (or reuse a finished run), export, check the export and register it.
+
+    Returns a summary: run directory, checkpoint, export directory, MLflow run id, registered
+    model version, final metrics. A stopped run (`stop_at_step`) is neither exported nor
+    registered; resume it with `resume=True`. `fault` injects one SIGKILL of a worker
+    (training/runtime/faults.py; the reliability suite's).
+    """
+    uri = tracking.tracking_uri if tracking.enabled else None
+    teacher_dir = None
+    if cfg.distillation is not None:
+        teacher_dir, _ = resolve_base_model(cfg.distillation.teacher, uri, workspace)
+    run_id = run_id_for(cfg, seed, examples_dir, tokenizer_dir, teacher_dir)
+    record_file = storage_root(cfg, workspace) / f"{run_id}.run.json"
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    if record.get("registered") and not stop_at_step:
+        return dict(record["summary"]) | {"reused": True}
+    mlflow_run = record.get("mlflow_run_id")
+    if uri is not None:
+        tags = {"stage": "pretrain", "train_run": run_id, "family": cfg.model.family}
+        mlflow_run = open_run(tracking, uri, workspace, f"{run_name}-pretrain", tags, mlflow_run)
+        if not record:
+            MlflowTracker(uri, mlflow_run).log_params(
+                flatten({"train": cfg.model_dump(mode="json")})
+            )
+    try:
+        run = run_training(
+            cfg,
+            seed,
+            examples_dir,
+            tokenizer_dir,
+            workspace,
+            ray_cfg,
+            tracking_uri=uri,
+            mlflow_run_id=mlflow_run,
+            resume=resume,
+            stop_at_step=stop_at_step,
+            fault=fault,
+            teacher_dir=teacher_dir,
+        )
+        summary = _summary(run) | {"mlflow_run_id": mlflow_run}
+        if run.finished:
+            summary |= _publish(run, cfg, uri, mlflow_run, run_name, examples_dir, tokenizer_dir)
+    except BaseException:
+        if uri is not None and mlflow_run is not None:
+            set_run_status(uri, mlflow_run, "FAILED")
+        raise
+    if uri is not None and mlflow_run is not None:
+        set_run_status(uri, mlflow_run, "FINISHED" if run.finished else "KILLED")
+    registered = "model_version" in summary
+    write_json_atomic(
+        record_file, {"mlflow_run_id": mlflow_run, "registered": registered, "summary": summary}
+    )
+    return summary | {"reused": False}
+
+
+def _summary(run: TrainingRun) -> dict[str, Any]:
+    return {
+        "run_dir": str(run.run_dir),
+        "checkpoint": str(run.checkpoint),
+        "step": int(run.meta["step"]),
+        "finished": run.finished,
+        "metrics": run.meta.get("metrics", {}),
+    }
+
+
+def _publish(
+    run: TrainingRun,
+    cfg: TrainConfig,
+    uri: str | None,
+    mlflow_run: str | None,
+    run_name: str,
+    examples_dir: Path,
+    tokenizer_dir: Path,
+) -> dict[str, Any]:
+    export_dir = run.run_dir.parent / f"{run.run_dir.name}.export"
+    export_checkpoint(run.checkpoint, export_dir)
+    out: dict[str, Any] = {"export_dir": str(export_dir)}
+    if uri is None or mlflow_run is None:
+        return out
+    tracker = MlflowTracker(uri, mlflow_run)
+    history = step_history(run.run_dir / "evals.jsonl")
+    evals = [(step, float(row["eval_loss"])) for step, row in history.items()]
+    png = loss_curve_png(run.run_dir / "steps.jsonl", evals, run.run_dir / "loss_curve.png")
+    tracker.log_artifact(png, "plots")
+    name = cfg.model_name or f"{run_name}-{cfg.model.family}"
+    ref = register_export(
+        export_dir,
+        cfg.model.family,
+        uri,
+        mlflow_run,
+        name,
+        cfg.alias,
+        lineage_tags(run.meta, examples_dir, tokenizer_dir),
+    )
+    return out | {"model_name": ref.name, "model_version": ref.version, "model_uri": ref.model_uri}
+
+
+@task(name="pretrain", cache_policy=NO_CACHE)
+def pretrain_task(
+    cfg: TrainConfig,
+    seed: int,
+    examples_dir: str,
+    tokenizer_dir: str,
+    workspace: str,
+    ray_cfg: RayConfig,
+    tracking: TrackingConfig,
+    run_name: str,
+    resume: bool = False,
+) -> dict[str, Any]:
+    """Prefect task: `pretrain_stage` on paths (a finished, registered run is reused)."""
+    return pretrain_stage(
+        cfg,
+        seed,
+        Path(examples_dir),
+        Path(tokenizer_dir),
+        Path(workspace),
+        ray_cfg,
+        tracking,
+        run_name,
+        resume=resume,
+    )

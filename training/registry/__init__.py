@@ -1,0 +1,1 @@
+"""The MLflow model registry, experiment tracking, and model references."""

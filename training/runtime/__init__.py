@@ -1,0 +1,1 @@
+"""Where a training worker runs: context, engine, DeepSpeed, checkpoints, telemetry, launcher."""

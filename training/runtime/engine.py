@@ -1,0 +1,169 @@
+"""The optimizer engine a training loop steps: DeepSpeed, or plain PyTorch (DDP) without it.
+
+Pretraining always runs on DeepSpeed; fine-tuning may (`finetune.deepspeed`). Both loops drive
+the same small surface (`forward`, `backward`, `step`, `module`, `optimizer`), so the loop code
+is written once. This is the only module that calls `deepspeed.initialize`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+class Engine(Protocol):
+    """What a loop needs from its engine."""
+
+    module: torch.nn.Module
+    optimizer: Any
+    device: torch.device
+
+    def __call__(self, **batch: torch.Tensor) -> Any: ...  # noqa: D102
+    def backward(self, loss: torch.Tensor) -> None: ...  # noqa: D102
+    def step(self) -> None: ...  # noqa: D102
+    def is_gradient_accumulation_boundary(self) -> bool: ...  # noqa: D102
+    def get_global_grad_norm(self) -> float | None: ...  # noqa: D102
+
+
+def initialize_deepspeed(
+    model: torch.nn.Module,
+    groups: list[dict[str, Any]],
+    config: dict[str, Any],
+    zero3_leaves: list[type[torch.nn.Module]] | None = None,
+) -> Any:
+    """A DeepSpeed engine over `model` with the optimizer `config` describes on `groups`.
+
+    `zero3_leaves`: module classes ZeRO-3 gathers whole instead of hooking their children
+    (a mixture of experts' sparse blocks, `training.models.pretraining_model.zero3_leaf_modules`).
+    """
+    import deepspeed
+
+    if zero3_leaves:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, zero3_leaves)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    return engine
+
+
+@contextlib.contextmanager
+def autocast_for(ds_config: dict[str, Any], device: torch.device) -> Iterator[None]:
+    """Autocast to the config's `torch_autocast` dtype, if enabled (else nothing).
+
+    The loop calls the model itself (for its losses), not `engine(...)`, so it enters the
+    autocast that DeepSpeed's own forward would have.
+    """
+    section = ds_config.get("torch_autocast", {})
+    if not section.get("enabled"):
+        yield
+        return
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[section["dtype"]]
+    with torch.autocast(device.type, dtype=dtype):
+        yield
+
+
+def base_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under DeepSpeed's wrappers (ZeRO, fp16), which steps the weights."""
+    while not type(optimizer).__module__.startswith("torch.optim") and hasattr(
+        optimizer, "optimizer"
+    ):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class DeviceUpdate:
+    """What the loop does between the last backward of a step and the engine's step.
+
+    - The guard's skip flag reaches torch's fused AdamW as `found_inf`, the attribute
+      `torch.amp.GradScaler` sets: when it is 1 the kernel leaves every weight and its own
+      state (moments, step count) exactly as they were, and nothing is read on the host.
+    - Where the engine does not clip (ZeRO 0, `deepspeed_config`), the loop clips here with
+      torch's foreach kernels, so the norm stays a device tensor for the logs.
+    """
+
+    def __init__(self, engine: Any, grad_clip: float, ds_config: dict[str, Any]) -> None:
+        """Find the fused optimizer under `engine`; refuse one that cannot skip on the device."""
+        self.engine = engine
+        self.optimizer = base_optimizer(engine.optimizer)
+        if not getattr(self.optimizer, "defaults", {}).get("fused"):
+            raise ValueError(
+                "train.guard skips a step on the device through torch's fused AdamW (lmpipe's "
+                f"DeepSpeed optimizer); this engine steps {type(self.optimizer).__name__}: "
+                "remove the optimizer from train.deepspeed_extra"
+            )
+        self.clip = grad_clip if ds_config.get("gradient_clipping", 0.0) == 0.0 else 0.0
+
+    def prepare(self, skip: torch.Tensor) -> torch.Tensor | None:
+        """Arm the optimizer with `skip`; clip if the loop clips. Returns that norm, or None."""
+        self.optimizer.found_inf = skip.float().reshape(())
+        if self.clip <= 0:
+            return None
+        params = [p for p in self.engine.module.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True)
+
+
+class TorchEngine:
+    """AdamW over `groups`, DDP when a process group is up, gradient accumulation and clipping.
+
+    Mirrors the DeepSpeed engine's contract: `backward` scales the loss by 1/accumulation and
+    `step` only updates the weights on an accumulation boundary.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        groups: list[dict[str, Any]],
+        *,
+        betas: tuple[float, float],
+        eps: float,
+        accumulation_steps: int,
+        grad_clip: float,
+    ) -> None:
+        """Wrap `model` (in DDP when distributed) and build AdamW over `groups`."""
+        self.module = model
+        self.device = next(model.parameters()).device
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        # find_unused_parameters: frozen strategies and progressive unfreezing leave params
+        # without gradients in some steps.
+        self._forward: torch.nn.Module = (
+            DistributedDataParallel(model, find_unused_parameters=True) if distributed else model
+        )
+        # fused: one kernel over every tensor, on CPU as on GPU (docs/benchmarks.md).
+        self.optimizer = torch.optim.AdamW(groups, betas=betas, eps=eps, fused=True)
+        self.accumulation_steps = accumulation_steps
+        self.grad_clip = grad_clip
+        self.micro_steps = 0
+        self._grad_norm: float | None = None
+
+    def __call__(self, **batch: torch.Tensor) -> Any:
+        """Forward through the (DDP-wrapped) model."""
+        return self._forward(**batch)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next `step` updates the weights."""
+        return (self.micro_steps + 1) % self.accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of `loss / accumulation_steps`."""
+        (loss / self.accumulation_steps).backward()  # type: ignore[no-untyped-call]
+
+    def step(self) -> None:
+        """On an accumulation boundary: clip, update, zero the gradients."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.grad_clip > 0:
+            self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm before clipping at the last update (None without clipping)."""
+        return self._grad_norm

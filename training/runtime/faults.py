@@ -1,0 +1,53 @@
+"""Fault injection for the reliability suite: SIGKILL a training worker at a named point.
+
+A `FaultPlan` names one point of the loop (`step`: right after an optimizer step; the phases of
+a checkpoint save; the purge of old checkpoints), the step at which it fires and the rank that
+dies. The worker kills itself with SIGKILL there, so the fault is the real thing (no exception,
+no clean-up, no flushed buffers), placed exactly where a random external kill only lands by luck.
+It fires once per plan: the dying process first creates the plan's marker file, and a restarted
+attempt that reaches the same point finds the marker and carries on.
+
+Plans reach workers inside `WorkerJob` (`pretrain_stage(..., fault=plan)`); nothing reads the
+environment, so a stray variable can never kill a production run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+# The save protocol in order (training/pretrain/loop.py `Worker.save`): every rank writes its
+# DeepSpeed shards and RNG file; rank 0 writes meta.json (the commit); rank 0 moves the `latest`
+# pointer; the checkpoint is reported to Ray; rank 0 purges checkpoints beyond `keep_last`.
+SAVE_POINTS = ("after_shard", "before_meta", "before_latest", "after_latest", "during_purge")
+FaultPoint = Literal[
+    "step", "after_shard", "before_meta", "before_latest", "after_latest", "during_purge"
+]
+
+
+class FaultPlan(BaseModel):
+    """Kill `rank` with SIGKILL when it reaches `point` at `step`, once."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    point: FaultPoint
+    step: int
+    rank: int = 0
+    marker: Path  # created just before the kill; its presence disarms the plan
+
+
+def hit(plan: FaultPlan | None, point: FaultPoint, step: int, rank: int) -> None:
+    """SIGKILL this process if `plan` names this point, step and rank and has not fired yet."""
+    if plan is None or (plan.point, plan.step, plan.rank) != (point, step, rank):
+        return
+    try:
+        fd = os.open(plan.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return  # fired in an earlier attempt
+    os.write(fd, f"{point} step={step} rank={rank} pid={os.getpid()}\n".encode())
+    os.fsync(fd)
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)

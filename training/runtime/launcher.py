@@ -1,0 +1,205 @@
+"""The pretraining driver: one Ray Train `TorchTrainer` run per (inputs, train config), in MLflow.
+
+A run lives in `<storage>/<run id>/` where the run id is a hash of the example and tokenizer
+outputs, the train config and the seed: the same inputs find the same run, which is reused when
+finished and resumed (with `resume=True`) when it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.common.io import fingerprint, sha256_file, source_hash
+from tasks.common.ray_runtime import RayConfig, ensure_ray
+from training.pretrain.config import ScaleConfig, TrainConfig
+from training.pretrain.data import read_manifest
+from training.pretrain.loop import WorkerJob, train_loop_per_worker
+from training.runtime import checkpoint as ckpt
+from training.runtime.context import torch_backend
+from training.runtime.faults import FaultPlan
+
+log = logging.getLogger(__name__)
+
+
+class RunStateError(RuntimeError):
+    """A run exists and is unfinished but resuming was not asked for (or the reverse)."""
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """What a finished (or stopped) training run left: its directory and last checkpoint."""
+
+    run_dir: Path
+    checkpoint: Path
+    meta: dict[str, Any]
+    mlflow_run_id: str | None
+    finished: bool
+
+
+def run_id_for(
+    cfg: TrainConfig,
+    seed: int,
+    examples_dir: Path,
+    tokenizer_dir: Path,
+    teacher_dir: Path | None = None,
+) -> str:
+    """The run's identity: a hash of its inputs' fingerprints, the train config, seed and code.
+
+    A distillation run's inputs include its teacher's weights (sha256 of its safetensors), so
+    a registry alias that moves to another version starts another run.
+    """
+    inputs = {
+        "examples": read_manifest(examples_dir)["fingerprint"],
+        "tokenizer": json.loads((tokenizer_dir / "manifest.json").read_text())["fingerprint"],
+    }
+    if teacher_dir is not None:
+        weights = sorted(teacher_dir.glob("*.safetensors"))
+        inputs["teacher"] = {shard.name: sha256_file(shard) for shard in weights}
+    # Where checkpoints go, how often we log and how many workers share the global batch do not
+    # change what is trained: a run resumes at another worker count (docs/pretraining.md).
+    train = cfg.model_dump(mode="json", exclude={"checkpoint", "log_every_steps", "eval", "scale"})
+    code = source_hash("tasks", "training")
+    return fingerprint({"inputs": inputs, "train": train, "seed": seed, "code": code})
+
+
+def storage_root(cfg: TrainConfig, workspace: Path) -> Path:
+    """The directory that holds every training run."""
+    return (cfg.checkpoint.storage_path or workspace / "pretrain").resolve()
+
+
+def run_training(
+    cfg: TrainConfig,
+    seed: int,
+    examples_dir: Path,
+    tokenizer_dir: Path,
+    workspace: Path,
+    ray_cfg: RayConfig,
+    *,
+    tracking_uri: str | None,
+    mlflow_run_id: str | None,
+    resume: bool = False,
+    stop_at_step: int | None = None,
+    fault: FaultPlan | None = None,
+    teacher_dir: Path | None = None,
+) -> TrainingRun:
+    """Train on Ray Train with DeepSpeed until `max_steps` (or `stop_at_step`).
+
+    `teacher_dir` is the resolved local teacher of a distillation run (`train.distillation`).
+
+    Raises:
+        RunStateError: the run stopped earlier and `resume` is False.
+        RuntimeError: training failed after `scale.max_failures` restarts.
+    """
+    run_id = run_id_for(cfg, seed, examples_dir, tokenizer_dir, teacher_dir)
+    root = storage_root(cfg, workspace)
+    run_dir = root / run_id
+    found = ckpt.find_resumable(run_dir, None, run_id) if run_dir.is_dir() else None
+    if found is not None and found.meta["step"] >= cfg.max_steps:
+        log.info("run %s already finished at step %d: reused", run_id, found.meta["step"])
+        return TrainingRun(run_dir, found.path, found.meta, mlflow_run_id, True)
+    if found is not None and not resume:
+        raise RunStateError(
+            f"{run_dir} holds an unfinished run (step {found.meta['step']} of {cfg.max_steps}): "
+            "pass --resume to continue it, or remove the directory to start over"
+        )
+    if found is None and run_dir.is_dir():
+        shutil.rmtree(run_dir)  # nothing valid to resume: start clean, no stale Ray state
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = WorkerJob(
+        train=cfg,
+        seed=seed,
+        examples_dir=examples_dir.resolve(),
+        tokenizer_dir=tokenizer_dir.resolve(),
+        config_hash=run_id,
+        tracking_uri=tracking_uri,
+        run_id=mlflow_run_id,
+        stop_at_step=stop_at_step,
+        fault=fault,
+        teacher_dir=teacher_dir.resolve() if teacher_dir is not None else None,
+    )
+    _fit(job, root, run_id, ray_cfg)
+    last = ckpt.find_resumable(run_dir, None, run_id)
+    if last is None:
+        raise RuntimeError(f"{run_dir}: training ended without a valid checkpoint")
+    finished = last.meta["step"] >= cfg.max_steps
+    return TrainingRun(run_dir, last.path, last.meta, mlflow_run_id, finished)
+
+
+def _fit(job: WorkerJob, root: Path, run_id: str, ray_cfg: RayConfig) -> None:
+    fit_on_ray(
+        train_loop_per_worker, job.model_dump(mode="json"), job.train.scale, root / run_id, ray_cfg
+    )
+
+
+POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
+
+def set_report_poll(scale: ScaleConfig) -> None:
+    """Make the next Ray Train run's controller poll its workers every `scale.report_poll_s`.
+
+    The driver reads the variable at `fit` and passes it to the controller it starts (Ray
+    Train's `get_env_vars_to_propagate`). The controller takes one `ray.train.report` per poll
+    and a worker's next report blocks until then, so at Ray's default of 2 s a short
+    fine-tuning epoch or a frequent checkpoint waits longer than it computes.
+    """
+    os.environ[POLL_ENV] = f"{scale.report_poll_s:g}"
+
+
+def fit_on_ray(
+    loop: Callable[[dict[str, Any]], None],
+    loop_config: dict[str, Any],
+    scale: ScaleConfig,
+    run_dir: Path,
+    ray_cfg: RayConfig,
+) -> None:
+    """Run `loop(loop_config)` on `scale.num_workers` Ray Train workers; `run_dir` is theirs.
+
+    Checkpoints are written in place by the loop (`RayWorkerContext`) and pruned by lmpipe.
+
+    Raises:
+        RuntimeError: training failed after `scale.max_failures` restarts.
+    """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    ensure_ray(ray_cfg)
+    set_report_poll(scale)
+    trainer = TorchTrainer(
+        loop,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(
+            num_workers=scale.num_workers,
+            use_gpu=scale.use_gpu,
+            resources_per_worker={
+                "CPU": scale.cpus_per_worker,
+                **({"GPU": 1} if scale.use_gpu else {}),
+            },
+        ),
+        torch_config=TorchConfig(backend=torch_backend(scale.backend, scale.use_gpu)),
+        run_config=RunConfig(
+            name=run_dir.name,
+            storage_path=str(run_dir.parent),
+            # lmpipe prunes (training/runtime/checkpoint.py), orphans included; Ray deleting too
+            # raced with it ("Path not found" in the controller).
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+            failure_config=FailureConfig(max_failures=scale.max_failures),
+        ),
+    )
+    import ray.train
+
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as exc:
+        raise RuntimeError(
+            f"training failed after {scale.max_failures} restart(s) (train.scale.max_failures) "
+            f"in {run_dir}: {exc}"
+        ) from exc
+    if result.error is not None:
+        raise RuntimeError(f"training failed: {result.error}") from result.error
