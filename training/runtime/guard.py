@@ -49,13 +49,7 @@ class LossGuard:
 
     def check(self, loss: torch.Tensor, step: int) -> Verdict:
         """Judge the mean of `loss` over all ranks now (a host read); raise when it stops."""
-        probe = torch.stack(
-            [loss.float().nan_to_num(0.0, 0.0, 0.0), (~torch.isfinite(loss)).float()]
-        )
-        if dist.is_initialized():
-            dist.all_reduce(probe)
-            probe[0] /= dist.get_world_size()
-        value, nonfinite = probe.tolist()
+        value, nonfinite = _rank_mean(loss.float().reshape(1))[:, 0].tolist()
         return self.judge(value, nonfinite > 0, step, self.running_mean())
 
     def running_mean(self) -> float | None:
@@ -114,12 +108,8 @@ class LossGuard:
         record holds, per micro-batch, the loss (mean over ranks) and a non-finite flag, then
         the running mean used and whether the spike check was armed.
         """
-        losses = torch.stack(self._losses)  # (M,)
+        probe = _rank_mean(torch.stack(self._losses))  # (2, M)
         self._losses = []
-        probe = torch.stack([losses.nan_to_num(0.0, 0.0, 0.0), (~torch.isfinite(losses)).float()])
-        if dist.is_initialized():  # asynchronous on NCCL: no host wait
-            dist.all_reduce(probe)
-            probe[0] /= dist.get_world_size()
         values, nonfinite = probe[0].double(), probe[1] > 0  # (M,), (M,)
         state = self._state_on(values.device)
         mean, armed = state.mean()
@@ -173,6 +163,18 @@ class LossGuard:
         self.skipped_in_row = state["skipped_in_row"]
         self.skipped_total = state["skipped_total"]
         self._device = None  # rebuilt from the restored history at the next decision
+
+
+def _rank_mean(losses: torch.Tensor) -> torch.Tensor:
+    """(2, M): the losses' mean over ranks (non-finite counted as 0) and a non-finite flag.
+
+    One all-reduce, asynchronous on NCCL: nothing waits for the host.
+    """
+    probe = torch.stack([losses.nan_to_num(0.0, 0.0, 0.0), (~torch.isfinite(losses)).float()])
+    if dist.is_initialized():
+        dist.all_reduce(probe)
+        probe[0] /= dist.get_world_size()
+    return probe
 
 
 class _DeviceGuard:
