@@ -7,7 +7,7 @@ Usage: python bench/distillation.py [--fresh] [--seeds 0,1,2] [--steps 1500] [--
 Issue 9 acceptance. The data stages, the recipe's knobs and the fine-tuning harness are
 bench/pretraining_helps.py's, imported from it: the synthetic demo corpus, ingest, WordPiece,
 encode, BERT examples with dynamic masking, and lmpipe's `pretrain_stage` (Ray Train with 2
-workers, DeepSpeed ZeRO-2 on CPU, bf16, MLflow off). It pretrains a BERT teacher (`mini`,
+workers, DeepSpeed ZeRO-2 on CPU, precision auto, MLflow off). It pretrains a BERT teacher (`mini`,
 4 layers by default), cuts single-segment MLM examples (`examples.objective: roberta`) from the
 same encoded corpus and WordPiece vocabulary, and distils the DistilBERT student (half the
 teacher's layers, initialised from every other teacher layer) with `pretrain_stage` and

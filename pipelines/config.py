@@ -7,6 +7,7 @@ and what is allowed.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from tasks.tokenizer.tokenizer import TokenizerConfig
 from training.evaluate.stage import EvaluateConfig
 from training.finetune.compare import CompareConfig
 from training.finetune.config import FinetuneConfig
-from training.pretrain.config import TrainConfig
+from training.pretrain.config import TrainConfig, emulated_bf16_problem
 from training.pretrain.length_schedule import LengthScheduleError, check_length_schedule
 from training.registry.tracking import TrackingConfig
 
@@ -154,6 +155,25 @@ class RunConfig(BaseModel):
             raise ValueError(str(err)) from None
         return self
 
+    @model_validator(mode="after")
+    def _bf16_is_native_where_it_trains(self, info: ValidationInfo) -> RunConfig:
+        # Needs the ray section: with a cluster address the workers' CPUs, not this one's,
+        # run the training. `RAY_ADDRESS` fills `ray.address` only after loading
+        # (pipelines/ops/runtime.py), and a recipe checked before `lmpipe submit` trains on
+        # the cluster (context `remote`), so neither is this machine's CPU either.
+        remote = bool(info.context and info.context.get("remote"))
+        cluster = self.ray.address is not None or bool(os.environ.get("RAY_ADDRESS")) or remote
+        sections = (("train", self.train), ("finetune", self.finetune))
+        problems = [
+            emulated_bf16_problem(
+                name, section.precision, section.allow_emulated_bf16, section.scale.use_gpu, cluster
+            )
+            for name, section in sections
+        ]
+        if any(problems):
+            raise ValueError("; ".join(p for p in problems if p))
+        return self
+
 
 # Plain-text URL fields of each section, checked for an embedded `user:password@`.
 _URL_FIELDS = {
@@ -180,10 +200,13 @@ class ConfigError(ValueError):
     """The config file or an override is invalid; the message names the key and the value."""
 
 
-def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+def load_config(
+    path: Path | str, overrides: list[str] | tuple[str, ...] = (), *, remote: bool = False
+) -> RunConfig:
     """Read a YAML recipe, apply `a.b=value` overrides (values parsed as YAML) and validate.
 
     Relative paths in the recipe stay relative to the current directory, like the CLI's.
+    `remote`: the recipe will train on a Ray cluster (`lmpipe submit`), not on this machine.
 
     Raises:
         ConfigError: unreadable YAML, a malformed override, or any invalid key or value.
@@ -193,7 +216,7 @@ def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -
     for override in overrides:
         _apply_override(data, override)
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context={"remote": remote})
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, str(path))) from None
 
@@ -265,6 +288,9 @@ def format_validation_error(exc: ValidationError, origin: str) -> str:
             message = "unknown key (misspelled?); see `lmpipe <command> --help` for valid keys"
         elif error["type"] == "literal_error":
             message = f"must be one of {error.get('ctx', {}).get('expected', '')}"
+        if not error["loc"]:  # a check across sections: its input is the whole config
+            lines.append(f"  {message}")
+            continue
         shown = "<missing>" if error["type"] == "missing" else repr(error.get("input"))
         if any(word in key for word in _SECRET_KEYS):
             shown = "<hidden>"

@@ -168,7 +168,7 @@ def validate_recipe(root: Path, recipe: str, overrides: Sequence[str]) -> RunCon
         )
     with contextlib.chdir(root):
         try:
-            cfg = load_config(recipe, list(overrides))
+            cfg = load_config(recipe, list(overrides), remote=True)
         except ConfigError as exc:
             raise SubmitError(str(exc)) from None
     problems = cluster_problems(cfg)

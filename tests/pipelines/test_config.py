@@ -5,6 +5,7 @@ import yaml
 
 from pipelines.config import ConfigError, load_config
 from tasks.common.io import public_dump
+from training.pretrain.config import NO_NATIVE_BF16_ENV
 
 BASE = {"name": "t", "ingest": {"sources": [{"path": "corpus.txt"}]}}
 
@@ -143,3 +144,61 @@ def test_length_schedule_is_checked_against_the_examples_before_any_stage(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(recipe, overrides)
+
+
+@pytest.mark.parametrize("section", ["train", "finetune"])
+def test_emulated_bf16_on_this_cpu_is_refused_naming_auto_fp32_and_the_opt_in(
+    recipe: Path, section: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(NO_NATIVE_BF16_ENV, "1")  # as on a CPU without native bf16
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # no cluster: this machine trains
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, [f"{section}.precision=bf16"])
+    message = str(err.value)
+    assert f"{section}.precision bf16 would train on this machine's CPU" in message
+    assert "emulated" in message
+    assert "100x slower than fp32" in message
+    assert f"Set {section}.precision to auto" in message
+    assert "or to fp32" in message
+    assert f"{section}.allow_emulated_bf16=true" in message
+    assert "'name'" not in message  # a check across sections does not echo the whole config
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "allow_emulated_bf16=true",  # the opt-in
+        "scale.use_gpu=true",  # trains on GPUs
+        None,  # ray.address set: trains on a cluster's CPUs
+    ],
+)
+@pytest.mark.parametrize("section", ["train", "finetune"])
+def test_bf16_is_accepted_with_the_opt_in_on_gpus_or_on_a_cluster(
+    recipe: Path, section: str, where: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(NO_NATIVE_BF16_ENV, "1")
+    extra = f"{section}.{where}" if where else "ray.address=ray://head:10001"
+    cfg = load_config(recipe, [f"{section}.precision=bf16", extra])
+    assert getattr(cfg, section).precision == "bf16"
+
+
+def test_auto_is_never_refused_and_picks_fp32_on_a_cpu_without_native_bf16(
+    recipe: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(NO_NATIVE_BF16_ENV, "1")
+    cfg = load_config(recipe, ["train.precision=auto", "finetune.precision=auto"])
+    assert (cfg.train.precision, cfg.finetune.precision) == ("fp32", "fp32")
+    assert cfg.train.requested_precision == "auto"
+
+
+def test_bf16_is_accepted_where_a_cluster_trains_it(
+    recipe: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(NO_NATIVE_BF16_ENV, "1")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError):
+        load_config(recipe, ["train.precision=bf16"])
+    # `lmpipe submit` checks the recipe here; the cluster trains it.
+    assert load_config(recipe, ["train.precision=bf16"], remote=True).train.precision == "bf16"
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")  # fills ray.address after loading
+    assert load_config(recipe, ["train.precision=bf16"]).train.precision == "bf16"

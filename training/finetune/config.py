@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic.functional_validators import ModelWrapValidatorHandler
 
 from training.evaluate.generation import GenerationSettings
 from training.finetune.features.features import FeatureConfig
 from training.finetune.strategies import StrategyConfig
-from training.pretrain.config import ScaleConfig
+from training.pretrain.config import ScaleConfig, auto_precision_data, precision_choice
 from training.registry.model_ref import BaseModelRef
 
 
@@ -83,7 +84,18 @@ class FinetuneConfig(BaseModel):
         description="DeepSpeed ZeRO stage (deepspeed: true). Fine-tuning keeps whole weights on "
         "every rank (best-epoch snapshots, evaluation, progressive unfreezing), so at most 2.",
     )
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="Compute precision.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "fp32",
+        description="Compute precision. auto resolves as train.precision does (bf16 on a GPU "
+        "and on a CPU with native bf16 matrix instructions, fp32 elsewhere) when the config "
+        "loads. bf16 on a CPU without native bf16 (no GPU, no ray.address) is refused then, "
+        "unless allow_emulated_bf16.",
+    )
+    allow_emulated_bf16: bool = Field(
+        False,
+        description="Allow precision bf16 on this machine's CPU although it has no native bf16 "
+        "matrix instructions (emulated: about 100x slower than fp32 per matmul).",
+    )
     scale: ScaleConfig = Field(
         default_factory=lambda: ScaleConfig(num_workers=1, max_failures=0),
         description="Ray Train workers.",
@@ -103,6 +115,29 @@ class FinetuneConfig(BaseModel):
     deepspeed_extra: dict[str, Any] = Field(
         default_factory=dict, description="Extra DeepSpeed keys merged over the generated ones."
     )
+
+    # Why `auto` chose `precision` (see `TrainConfig`); None when the precision was given.
+    _auto_reason: str | None = PrivateAttr(None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _resolve_auto_precision(
+        cls, data: Any, handler: ModelWrapValidatorHandler[FinetuneConfig]
+    ) -> FinetuneConfig:
+        data, reason = auto_precision_data(data, default="fp32")
+        cfg = handler(data)
+        if reason is not None:  # a new object: `data` was a mapping
+            cfg._auto_reason = reason
+        return cfg
+
+    @property
+    def requested_precision(self) -> str:
+        """The precision asked for: `auto`, or the value of `precision` when it was given."""
+        return "auto" if self._auto_reason else self.precision
+
+    def precision_choice(self) -> str:
+        """The run's precision in one line, e.g. `precision auto -> fp32 (this CPU has ...)`."""
+        return precision_choice(self.precision, self._auto_reason)
 
     @model_validator(mode="after")
     def _zero_needs_deepspeed(self) -> FinetuneConfig:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
@@ -137,6 +137,7 @@ def finetune_stage(
     record_file = root / f"{run_id}.run.json"
     if record_file.is_file():
         return dict(json.loads(record_file.read_text())) | {"reused": True}
+    log.info("fine-tuning run %s: %s", run_id, cfg.precision_choice())
     uri = tracking.tracking_uri if tracking.enabled else None
     mlflow_run: str | None = None
     task = json.loads((data_dir / "manifest.json").read_text())
@@ -145,6 +146,7 @@ def finetune_stage(
         mlflow_run = open_run(tracking, uri, workspace, f"{run_name}-finetune", tags | lineage)
         MlflowTracker(uri, mlflow_run).log_params(
             flatten({"finetune": cfg.model_dump(mode="json"), "seed": seed})
+            | {"resolved_precision": cfg.precision, "requested_precision": cfg.requested_precision}
         )
     try:
         run = run_finetune(
@@ -211,6 +213,7 @@ def finetune_task(
     lineage: dict[str, str],
 ) -> dict[str, Any]:
     """Prefect task: `finetune_stage` on paths; publishes the report as a Markdown artifact."""
+    get_run_logger().info("fine-tuning: %s", cfg.precision_choice())  # shown on the console
     summary = finetune_stage(
         cfg,
         seed,

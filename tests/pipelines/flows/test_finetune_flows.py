@@ -113,6 +113,10 @@ def test_evaluate_flow_prompts_a_gpt_model_zero_and_few_shot(
     tmp_path: Path,
 ) -> None:
     from pipelines.flows.evaluate_flow import evaluate_flow
+    from tasks.common import schema
+    from tasks.common.io import read_downstream_dir
+    from training.evaluate.prompting import classify_by_prompting
+    from training.models.export import load_export
 
     prompting = {
         "template": "Review: {text}\nSentiment:",
@@ -130,10 +134,23 @@ def test_evaluate_flow_prompts_a_gpt_model_zero_and_few_shot(
         "task.config=" + str(REPO / "configs/tasks/imdb.yaml"),
         "task.max_examples={train: 32, validation: 16}",
     ]
-    out = evaluate_flow(load_config(path, imdb))["evaluate"]
+    cfg = load_config(path, imdb)
+    stages = evaluate_flow(cfg)
+    out = stages["evaluate"]
     assert out["prompting"]["k_shot"] == 2
     assert out["prompting"]["examples"] == 12
     assert 0.0 <= out["prompting"]["metrics"]["accuracy"] <= 1.0
+    # The reported accuracy is the share of the 12 validation rows whose likeliest verbalizer
+    # is the gold label: recomputed here from the same model, rows and demonstrations.
+    prompt_cfg = cfg.evaluate.prompting
+    assert prompt_cfg is not None
+    manifest, tables = read_downstream_dir(Path(stages["downstream"]["path"]))
+    rows = tables["validation"].slice(0, 12)
+    labels = [str(x) for x in manifest["labels"]]
+    model, tok = load_export(tiny_base_models["gpt2"], "gpt2")
+    scored = classify_by_prompting(model, tok, rows, labels, prompt_cfg, tables["train"])
+    correct = scored.predictions == rows.column(schema.LABEL).to_numpy()
+    assert out["prompting"]["metrics"]["accuracy"] == pytest.approx(correct.mean())
     assert len(out["generation"]) == 4  # one prompt x four decoding settings
     saved = json.loads((Path(out["report_dir"]) / "evaluation.json").read_text())
     assert saved["prompting"] == out["prompting"]

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pytest
 import yaml
@@ -176,6 +177,33 @@ def webhook() -> Iterator[tuple[str, list[bytes]]]:
     server.server_close()
 
 
+def covered_failures(trigger: Any, run_ids: list[UUID], timeout_s: float = 30) -> dict[UUID, bool]:
+    """Whether the server's trigger covers each run's stored Failed event (waits until stored)."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+    from prefect.server.events.schemas.automations import EventTrigger
+    from prefect.server.events.schemas.events import ReceivedEvent
+
+    ids = {f"prefect.flow-run.{run_id}": run_id for run_id in run_ids}
+    wanted = EventFilter(
+        event=EventNameFilter(name=["prefect.flow-run.Failed"]),
+        resource=EventResourceFilter(id=list(ids)),
+    )
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:  # events are stored asynchronously: poll until each run's is there
+            page = client.read_events(wanted, limit=50)  # the server's maximum page
+            stored = {event.resource.id: event for event in page.events}
+            if len(stored) == len(ids) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    server_trigger = EventTrigger.model_validate(trigger.model_dump())
+    return {
+        ids[resource_id]: server_trigger.covers(ReceivedEvent.model_validate(event.model_dump()))
+        for resource_id, event in stored.items()
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_failure_automation_notifies_once_per_failed_lmpipe_run(
@@ -195,18 +223,21 @@ def test_failure_automation_notifies_once_per_failed_lmpipe_run(
     def failing() -> None:
         raise RuntimeError("disk full")
 
-    failing(return_state=True)  # not tagged: no notification
+    untagged_id = failing(return_state=True).state_details.flow_run_id  # no notification
     with tags("lmpipe"):
         state = failing(return_state=True)
     deadline = time.monotonic() + 30
     while not received and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(1)  # a notification for the untagged run would have arrived by now
     with get_client(sync_client=True) as client:
         (automation,) = client.read_automations_by_name(first.name)
         tagged = client.read_flow_run(state.state_details.flow_run_id)
+        # No waiting for a notification that should never come: ask the server's own trigger
+        # whether it fires for each run's recorded Failed event.
+        covered = covered_failures(automation.trigger, [untagged_id, tagged.id])
         client.delete_automation(automation.id)
         client.delete_block_document(block_id)
+    assert covered == {untagged_id: False, tagged.id: True}
     assert automation.trigger.expect == set(FAILED_EVENTS)
     assert automation.trigger.match_related["prefect.resource.id"] == ["prefect.tag.lmpipe"]
     assert automation.actions[0].block_document_id == block_id

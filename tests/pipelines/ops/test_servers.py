@@ -154,11 +154,19 @@ def test_a_non_loopback_host_needs_both_auth_settings(host: str) -> None:
         {"host": host, "prefect_auth_string": "ops:pw", "mlflow_admin_password": "a" * 12}
     )
     assert cfg.host == host
+    assert cfg.prefect_auth_string is not None
+    assert cfg.mlflow_admin_password is not None
+    assert cfg.prefect_auth_string.get_secret_value() == "ops:pw"
+    assert cfg.mlflow_admin_password.get_secret_value() == "a" * 12
+    assert "ops:pw" not in repr(cfg)
+    assert "a" * 12 not in repr(cfg)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
 def test_loopback_hosts_need_no_auth(host: str) -> None:
-    assert ServersConfig(host=host).host == host
+    cfg = ServersConfig(host=host)
+    assert (cfg.host, cfg.prefect_auth_string, cfg.mlflow_admin_password) == (host, None, None)
+    assert (cfg.prefect_port, cfg.mlflow_port) == (4200, 5000)
 
 
 @pytest.mark.parametrize(

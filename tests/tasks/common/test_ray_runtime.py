@@ -48,11 +48,23 @@ def test_is_remote_uri_only_for_non_file_schemes() -> None:
     assert not is_remote_uri(Path("/tmp/ws"))
 
 
-def test_check_storage_contacts_no_cluster_when_the_answer_is_known() -> None:
+def test_check_storage_contacts_no_cluster_when_the_answer_is_known(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ray
+
+    def contacted(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Ray was contacted")
+
+    # Another test may have Ray up already, so refuse every way in, not only `ray.init`.
+    for name in ("init", "is_initialized", "nodes"):
+        monkeypatch.setattr(ray, name, contacted)
     # Without an address (a local Ray), with shared storage or a remote URI, no Ray is started.
     check_storage(RayConfig(), "/data/ws")
     check_storage(RayConfig(address="10.255.255.1:6379", shared_storage=True), "/data/ws")
     check_storage(RayConfig(address="10.255.255.1:6379"), "s3://bucket/ws")
+    with pytest.raises(AssertionError, match="Ray was contacted"):  # the guard does catch it
+        check_storage(RayConfig(address="127.0.0.1:6379"), "/data/ws")
 
 
 def test_shared_storage_defaults_to_false_and_is_described() -> None:

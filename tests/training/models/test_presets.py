@@ -1,7 +1,6 @@
 """Size presets of every family: published parameter counts, meta builds, tiny CPU forwards."""
 
 import dataclasses
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -135,14 +134,10 @@ def build_and_run_tiny(family: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tiny_model_builds_and_runs_a_cpu_forward_in_under_a_second(family: str) -> None:
-    build_and_run_tiny(family)  # untimed: the first call pays one-off lazy imports and kernels
-    start = time.perf_counter()
-    logits = build_and_run_tiny(family)
-    elapsed_s = time.perf_counter() - start
+def test_tiny_model_builds_and_runs_a_cpu_forward(family: str) -> None:
+    logits = build_and_run_tiny(family)  # also asserts the model is tiny (< 2M parameters)
     assert logits.shape[:2] == (2, 32)
     assert torch.isfinite(logits).all()
-    assert elapsed_s < 1.0
 
 
 def test_tiny_layers_are_two_and_narrow() -> None:

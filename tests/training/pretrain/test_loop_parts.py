@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from training.pretrain.config import GuardConfig, TrainConfig, cpu_has_native_bf16
+from training.pretrain.config import (
+    GuardConfig,
+    TrainConfig,
+    assume_no_native_bf16,
+    cpu_has_native_bf16,
+)
 from training.pretrain.data import Cursor, DataError, GlobalOrder, rank_micro_batches
 from training.runtime import checkpoint as ckpt
 from training.runtime.deepspeed import deepspeed_config, param_groups
@@ -112,13 +117,20 @@ def test_a_resharded_load_must_reproduce_the_saved_reference_loss(
     if ok:
         ckpt.check_resharded(Path("run/checkpoint_step-000000007"), meta, loss, 1)
         return
-    with pytest.raises(ckpt.CheckpointError, match=r"from 2 to 1 workers.*num_workers=2"):
+    with pytest.raises(ckpt.CheckpointError, match=r"from 2 to 1 workers.*num_workers=2") as err:
         ckpt.check_resharded(Path("run/checkpoint_step-000000007"), meta, loss, 1)
+    assert f"reference loss {loss!r}, not the saved 5.0" in str(err.value)
 
 
 def test_a_checkpoint_without_a_reference_loss_is_not_checked() -> None:
+    path = Path("run/checkpoint_step-000000007")
     meta = {"world_size": 2, "train": {"precision": "fp32", "zero_stage": 2}}
-    ckpt.check_resharded(Path("run/checkpoint_step-000000007"), meta, 1.0, 1)
+    ckpt.check_resharded(path, meta, 1.0, 1)
+    assert meta == {"world_size": 2, "train": {"precision": "fp32", "zero_stage": 2}}
+    # The same loss is refused once the checkpoint carries a reference: the pass above comes
+    # from the missing reference, not from a lax tolerance.
+    with pytest.raises(ckpt.CheckpointError, match=r"reference loss 1\.0, not the saved 5\.0"):
+        ckpt.check_resharded(path, meta | {"reference": {"indices": [0], "loss": 5.0}}, 1.0, 1)
 
 
 def test_global_order_is_a_permutation_per_epoch_that_drops_the_tail() -> None:
@@ -235,6 +247,8 @@ def test_fp16_without_a_gpu_is_refused() -> None:
 
 
 def test_auto_precision_is_bf16_where_the_hardware_multiplies_bf16() -> None:
+    if assume_no_native_bf16():
+        pytest.skip("LMPIPE_ASSUME_NO_NATIVE_BF16 is set: detection ignores the CPU's flags")
     native = cpu_has_native_bf16()
     # The CPU's own flags, read apart from torch: the two must agree.
     flags = set()

@@ -30,6 +30,7 @@ def train_locally(data: dict[str, Path], run_dir: Path, precision: str, compile_
             "global_batch_size": 16,
             "zero_stage": 0,
             "precision": precision,
+            "allow_emulated_bf16": True,  # compares bf16 with fp32 on purpose
             "compile": compile_,
             "optim": {"lr": 3e-3, "warmup_steps": 2},
             "checkpoint": {"every_steps": 100},
