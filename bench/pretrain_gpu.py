@@ -1,4 +1,4 @@
-"""GPU throughput and MFU of lmpipe's training loop without Ray: BERT-base and GPT-2 124M (issue 5).
+"""GPU throughput and MFU of lmpipe's training loop without Ray: BERT-base and GPT-2 124M.
 
 Usage:
   python bench/pretrain_gpu.py prepare --out DIR [--wheels]      # here: the CPU machine
@@ -15,37 +15,50 @@ stack (docs/benchmarks.md, "GPU"):
   copies each example set and its tokenizer into DIR (about 20 MB). With `--wheels` it adds the
   wheels of the packages the GPU image lacks or has at another version (`WHEELS`: pydantic,
   DeepSpeed, transformers at this venv's versions), for Python 3.12 on x86-64.
-- `run` trains each setting in its own subprocess (run directories under `--work`) and
-  writes `pretrain_gpu.json` and `pretrain_gpu.md` to OUT:
+- `run` first builds each model once, seeded, and saves its weights: every arm starts from
+  them, sees the same batches and uses the same optimizer (`OPTIM`). It then trains each
+  setting in its own subprocess (run directories under `--work`) and writes
+  `pretrain_gpu.json` and `pretrain_gpu.md` to OUT after every setting:
   - `lmpipe-*`: lmpipe's loop itself (`training.pretrain.loop.Worker` with `LocalContext`: the
-    memory- mapped example shards, the seeded global order, the DeepSpeed engine at ZeRO 0, bf16,
-    one NCCL+gloo rank, no Ray), eager or with `torch.compile` (`train.compile`);
+    memory-mapped example shards, the seeded global order, the DeepSpeed engine at ZeRO 0, bf16,
+    one NCCL+gloo rank, no Ray), eager or with `torch.compile` (`train.compile`; `-modules`
+    compiles each top-level module apart, `train.compile_scope`);
   - `plain-*`: a plain PyTorch loop on the same model, loss (`pretraining_loss`, sparse MLM) and
     batches, already on the GPU: fused AdamW, bf16 autocast, clipping, nothing else. It is the
     ceiling the loop's own work (batch building, guard, telemetry, DeepSpeed) is measured
-    against.
+    against;
+  - `nanogpt-*`: the outside reference, a minimal nanoGPT-style GPT-2 (fused QKV,
+    `scaled_dot_product_attention(is_causal=True)`, tied head, compiled with its loss) with the
+    same weights, batches and optimizer;
+  - `-docmask`: GPT-2 with `train.document_masking` (a 4-D mask per packed block).
+  The arms' mean losses over the timed steps must agree within `LOSS_AGREEMENT` per model and
+  masking; `run` exits non-zero when they do not (`loss_agreement` in the JSON).
 
 Models: lmpipe's `base` size of `bert` (BertForPreTraining, MLM + NSP, 110 M parameters) at
 128 tokens, batch 256; of `gpt2` (GPT2LMHeadModel, 124 M) at 1,024 tokens, batch 32, with the
-published vocabulary of 50,257 rows (`model.overrides`; the BPE trained on the shared texts is
-smaller, and the vocabulary projection is a large part of GPT-2's FLOPs). Counted: real input
-tokens of the timed steps. Timed, for both loops alike: the CUDA-synchronised wall time of the
-whole window of steps after the warm-up (an asynchronous step's own time measures only how fast
-it was queued); lmpipe's window includes its logging reads at `train.log_every_steps`. After
-the window, lmpipe trains `SYNC_CHECK_STEPS` more steps under
+published vocabulary of 50,257 tokens (`model.overrides`; the BPE trained on the shared texts is
+smaller, and the vocabulary projection is a large part of GPT-2's FLOPs) and no dropout, as
+nanoGPT trains it. Both vocabularies are padded to a multiple of 64 rows
+(`model.pad_vocab_to_multiple_of`); MFU counts the real rows only. Counted: real input tokens
+of the timed steps. Timed, for every arm alike: the CUDA-synchronised wall time of the whole
+window of steps after the warm-up (an asynchronous step's own time measures only how fast it
+was queued); lmpipe's window includes its logging reads at `train.log_every_steps`. After the
+window, lmpipe trains `SYNC_CHECK_STEPS` more steps under
 `torch.cuda.set_sync_debug_mode("error")`: `sync_free` in the report says whether a step
 synchronised with the host, and `sync_error` where.
 MFU = `training.models.flops.flops_per_token` x tokens/s / the GPU's dense bf16 peak: the
 datasheet's (`training.runtime.telemetry.DATASHEET_PEAKS`, 989.4 TFLOP/s for an H100 SXM or H200)
 and, in a second column, the matmul peak measured there.
-Targets (issue 5): MFU >= 45% for GPT-2 and >= 40% for BERT-base, against the datasheet peak.
+Targets: MFU >= 45% for GPT-2 and >= 40% for BERT-base, against the datasheet peak.
 
-`--device cpu --size tiny` runs the same code on a CPU (tests/bench/test_pretrain_gpu.py).
+`--device cpu --size tiny` runs the same code on a CPU
+(tests/training/pretrain/test_pretrain_gpu_bench.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -86,20 +99,58 @@ MODELS: dict[str, dict[str, Any]] = {
         "data": "gpt2",
         "batch": 32,
         "overrides": {"vocab_size": GPT2_VOCAB},
+        "dropout": 0.0,  # as nanoGPT and llm.c pretrain GPT-2
         "target": 0.45,
     },
 }
-#: In the order they run, the most wanted first (a device's time is short).
-SETTINGS: dict[str, dict[str, Any]] = {
-    f"{loop}-{model}{'-compile' if compile_ else ''}": {
-        "loop": loop,
-        "model": model,
-        "compile": compile_,
-    }
-    for compile_ in (True, False)
-    for loop in ("lmpipe", "plain")
-    for model in MODELS
+#: The optimizer of every arm (lmpipe's `train.optim`): nanoGPT's GPT-2 settings, constant
+#: rate, so the arms' losses can be compared step by step.
+OPTIM: dict[str, Any] = {
+    "lr": 6e-4,
+    "betas": (0.9, 0.95),
+    "eps": 1e-8,
+    "weight_decay": 0.1,
+    "grad_clip": 1.0,
+    "warmup_steps": 0,
+    "decay": "constant",
 }
+#: The arms' mean losses over the timed steps must agree within this (relative), in bf16.
+LOSS_AGREEMENT = 0.02
+
+
+def _setting(
+    loop: str, model: str, compile_: bool, scope: str = "model_and_loss", docmask: bool = False
+) -> tuple[str, dict[str, Any]]:
+    name = f"{loop}-{model}" + ("-docmask" if docmask else "")
+    if compile_:
+        name += "-compile" + ("-modules" if scope == "modules" else "")
+    spec = {"loop": loop, "model": model, "compile": compile_, "scope": scope, "docmask": docmask}
+    return name, spec
+
+
+#: In the order they run, the most wanted first (a device's time is short): the compiled
+#: loops of both models and the nanoGPT reference, module-by-module compilation, GPT-2 with
+#: document masking, then eager.
+SETTINGS: dict[str, dict[str, Any]] = dict(
+    [
+        _setting("lmpipe", "gpt2-124m", True),
+        _setting("plain", "gpt2-124m", True),
+        _setting("nanogpt", "gpt2-124m", True),
+        _setting("lmpipe", "bert-base", True),
+        _setting("plain", "bert-base", True),
+        _setting("lmpipe", "gpt2-124m", True, "modules"),
+        _setting("lmpipe", "bert-base", True, "modules"),
+        _setting("lmpipe", "gpt2-124m", True, docmask=True),
+        _setting("plain", "gpt2-124m", True, docmask=True),
+        _setting("lmpipe", "gpt2-124m", False),
+        _setting("plain", "gpt2-124m", False),
+        _setting("nanogpt", "gpt2-124m", False),
+        _setting("lmpipe", "bert-base", False),
+        _setting("plain", "bert-base", False),
+        _setting("lmpipe", "gpt2-124m", False, docmask=True),
+        _setting("plain", "gpt2-124m", False, docmask=True),
+    ]
+)
 #: Packages to carry as wheels (the GPU image has none of pydantic and DeepSpeed, and an older
 #: transformers); their dependencies are in the image (docs/benchmarks.md, "GPU").
 WHEELS = (
@@ -194,11 +245,30 @@ def prepare(out: Path, work: Path, wheels: bool) -> dict[str, Any]:
 def model_section(spec: dict[str, Any]) -> dict[str, Any]:
     """The `train.model` section of a setting (`--size` replaces the model's own size)."""
     model = MODELS[spec["model"]]
-    return {
+    section = {
         "family": model["family"],
         "size": spec.get("size") or model["size"],
         "overrides": model["overrides"],
     }
+    return section | ({"dropout": model["dropout"]} if "dropout" in model else {})
+
+
+def child_init(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build each model once, seeded, and save its weights: every arm starts from them."""
+    import torch
+
+    from training.models.models import ModelConfig, build_model
+    from training.pretrain.data import read_manifest
+
+    manifest = read_manifest(Path(spec["examples_dir"]))
+    objective = manifest["objective"]
+    length = manifest["config"]["block_size" if objective == "causal" else "max_seq_length"]
+    torch.manual_seed(SEED)
+    section = ModelConfig.model_validate(model_section(spec))
+    specials = manifest["specials"]
+    model = build_model(section, objective, specials["vocab_size"], specials, length)
+    torch.save(model.state_dict(), spec["init"])
+    return {"parameters": sum(p.numel() for p in model.parameters())}
 
 
 def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
@@ -219,8 +289,12 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
             "max_steps": spec["warmup"] + spec["steps"] + SYNC_CHECK_STEPS,
             "global_batch_size": batch,
             "precision": "bf16",
+            "allow_emulated_bf16": True,  # bf16 on purpose, also in the CPU smoke run
             "zero_stage": 0,
             "compile": spec["compile"],
+            "compile_scope": spec["scope"],
+            "document_masking": spec["docmask"],
+            "optim": OPTIM,
             # Evaluation at the start and end, one checkpoint at the end: outside the window.
             "eval": {"every_steps": 1 << 20, "max_samples": batch},
             "checkpoint": {"every_steps": 1 << 20, "keep_last": 1, "storage_path": str(run_dir)},
@@ -242,6 +316,7 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
     init_single_process()
     torch.set_num_threads(threads)
     worker = Worker(job, LocalContext(run_dir))
+    worker.engine.module.load_state_dict(torch.load(spec["init"]))  # the arms' common start
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     warmup, steps = spec["warmup"], spec["steps"]
     for _ in range(warmup):
@@ -293,12 +368,8 @@ def sync_check(worker: Any, gpu: bool, steps: int = SYNC_CHECK_STEPS) -> dict[st
     return result
 
 
-def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
-    """A plain loop over the same model, loss and batches, all on the device beforehand."""
-    import torch
-
-    from training.models.flops import flops_per_token
-    from training.models.models import ModelConfig, build_model
+def _device_batches(spec: dict[str, Any], device: Any) -> tuple[dict[str, Any], list[Any]]:
+    """The examples' manifest, and every step's batch (the loop's order) already on `device`."""
     from training.pretrain.data import (
         BatchBuilder,
         Cursor,
@@ -306,73 +377,211 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
         GlobalOrder,
         read_manifest,
     )
-    from training.pretrain.losses import pretraining_loss
-    from training.runtime.deepspeed import param_groups
 
-    torch.set_num_threads(spec["threads"])
-    device = torch.device(spec["device"])
     examples = Path(spec["examples_dir"])
     manifest = read_manifest(examples)
-    objective = manifest["objective"]
-    length = manifest["config"]["block_size" if objective == "causal" else "max_seq_length"]
     train = ExampleShards(examples, "train", verify=False)
     order = GlobalOrder(len(train), SEED, spec["batch"])
-    build = BatchBuilder(objective, None, False, torch.bfloat16)
-    total = spec["warmup"] + spec["steps"]
+    build = BatchBuilder(manifest["objective"], None, spec["docmask"])
     batches, cursor = [], Cursor()
-    for _ in range(total):
+    for _ in range(spec["warmup"] + spec["steps"]):
         epoch, indices, cursor = order.next_batch(cursor)
         batch = build(train.take(indices), indices, epoch)
         batches.append({k: v.to(device) for k, v in batch.items()})
-    torch.manual_seed(SEED)
-    section = ModelConfig.model_validate(model_section(spec))
-    specials = manifest["specials"]
-    model = build_model(section, objective, specials["vocab_size"], specials, length)
-    model = model.to(device).train()
-    opt = torch.optim.AdamW(param_groups(model.named_parameters(), 0.01), lr=1e-4, fused=True)
-    if spec["compile"]:
-        for child in model.children():  # as the loop compiles (`train.compile`)
-            child.compile()
-    step_s, losses = [], []
+    return manifest, batches
+
+
+def _adamw(params: Any) -> Any:
+    """Fused AdamW with `OPTIM`, as lmpipe's engine builds it."""
+    import torch
+
+    betas, eps = OPTIM["betas"], OPTIM["eps"]
+    return torch.optim.AdamW(params, lr=OPTIM["lr"], betas=betas, eps=eps, fused=True)
+
+
+def _timed(step: Any, batches: list[Any], warmup: int, device: Any) -> list[float]:
+    """Run `step` over `batches`: the warm-up timed one by one, then one synchronised window."""
+    import torch
+
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def step(batch: dict[str, Any]) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = pretraining_loss(model, objective, batch, True)
-        out.loss.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(out.loss.detach())  # read after the window
-
-    for batch in batches[: spec["warmup"]]:  # timed one by one (reported, not counted)
+    step_s = []
+    for batch in batches[:warmup]:  # reported, not counted
         sync()
         start = time.perf_counter()
         step(batch)
         sync()
         step_s.append(time.perf_counter() - start)
-    timed = batches[spec["warmup"] :]
+    timed = batches[warmup:]
     sync()
     start = time.perf_counter()
     for batch in timed:
         step(batch)
     sync()
-    step_s += [(time.perf_counter() - start) / max(len(timed), 1)] * len(timed)
-    losses = [float(loss) for loss in losses]
+    return step_s + [(time.perf_counter() - start) / max(len(timed), 1)] * len(timed)
+
+
+def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
+    """A plain loop over the same model, loss and batches, all on the device beforehand."""
+    import torch
+
+    from training.models.flops import flops_per_token
+    from training.models.models import ModelConfig, build_model
+    from training.pretrain.losses import pretraining_loss
+    from training.runtime.deepspeed import param_groups
+
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    manifest, batches = _device_batches(spec, device)
+    objective = manifest["objective"]
+    length = manifest["config"]["block_size" if objective == "causal" else "max_seq_length"]
+    section = ModelConfig.model_validate(model_section(spec))
+    specials = manifest["specials"]
+    model = build_model(section, objective, specials["vocab_size"], specials, length)
+    model.load_state_dict(torch.load(spec["init"]))  # the arms' common start
+    model = model.to(device).train()
+    opt = _adamw(param_groups(model.named_parameters(), OPTIM["weight_decay"]))
+    loss_fn = functools.partial(pretraining_loss, model, objective)
+    if spec["compile"] and spec["scope"] == "modules":
+        for child in model.children():
+            child.compile()
+    elif spec["compile"]:  # the model and the loss as one graph, as the loop compiles them
+        loss_fn = torch.compile(loss_fn)
+    losses = []
+
+    def step(batch: dict[str, Any]) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = loss_fn(batch, True)
+        out.loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"], foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(out.loss.detach())  # read after the window
+
+    step_s = _timed(step, batches, spec["warmup"], device)
     mlm = manifest["config"]["mask"]["masked_lm_prob"]
     return {
         "step_s": step_s,
         "tokens": [float(_tokens(batch)) for batch in batches],
-        "losses": losses,
+        "losses": [float(loss) for loss in losses],
         "flops_per_token": flops_per_token(model.config, length, objective, mlm_probability=mlm),
         "parameters": sum(p.numel() for p in model.parameters()),
         **_memory(device.type == "cuda"),
     }
 
 
+def nanogpt_model(config: Any) -> Any:
+    """A minimal nanoGPT-style GPT-2 of `config`'s shape: fused QKV, SDPA with is_causal."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    d, heads = config.n_embd, config.n_head
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.c_attn, self.attn_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+            q, k, v = (z.view(b, t, heads, d // heads).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.attn_proj(y.transpose(1, 2).reshape(b, t, d))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(config.vocab_size, d)
+            self.wpe = nn.Embedding(config.n_positions, d)
+            self.h = nn.ModuleList(Block() for _ in range(config.n_layer))
+            self.ln_f = nn.LayerNorm(d)
+            self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+            self.lm_head.weight = self.wte.weight  # tied
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(ids.shape[1], device=ids.device)
+            x = self.wte(ids) + self.wpe(pos)
+            for block in self.h:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+            targets = F.pad(ids[:, 1:], (0, 1), value=-1)  # the next token; none after the last
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+    return GPT()
+
+
+def nanogpt_state(hf_state: dict[str, Any]) -> dict[str, Any]:
+    """The transformers GPT-2 weights under nanoGPT's names (its Conv1D weights transposed)."""
+    names = {
+        "attn.c_attn": "c_attn",
+        "attn.c_proj": "attn_proj",
+        "mlp.c_fc": "c_fc",
+        "mlp.c_proj": "mlp_proj",
+        "ln_1": "ln_1",
+        "ln_2": "ln_2",
+    }
+    out = {}
+    for key, value in hf_state.items():
+        key = key.removeprefix("transformer.")  # lm_head.weight (tied to wte) keeps its name
+        parts = key.split(".")
+        if parts[0] == "h":
+            inner = ".".join(parts[2:-1])
+            key = f"h.{parts[1]}.{names[inner]}.{parts[-1]}"
+            if parts[-1] == "weight" and inner.startswith(("attn.", "mlp.")):
+                value = value.t()  # Conv1D keeps (in, out), nn.Linear (out, in)
+        out[key] = value
+    return out
+
+
+def child_nanogpt(spec: dict[str, Any]) -> dict[str, Any]:
+    """The outside reference: a minimal nanoGPT-style loop (fused AdamW, compile) on GPT-2."""
+    import torch
+
+    from training.models.flops import flops_per_token
+    from training.models.models import ModelConfig, model_config_for
+    from training.runtime.deepspeed import param_groups
+
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    manifest, batches = _device_batches(spec, device)
+    length = manifest["config"]["block_size"]
+    section = ModelConfig.model_validate(model_section(spec))
+    specials = manifest["specials"]
+    config = model_config_for(section, specials["vocab_size"], specials, length)
+    model = nanogpt_model(config)
+    model.load_state_dict(nanogpt_state(torch.load(spec["init"])))  # the arms' common start
+    model = model.to(device).train()
+    opt = _adamw(param_groups(model.named_parameters(), OPTIM["weight_decay"]))
+    forward = torch.compile(model) if spec["compile"] else model
+    losses = []
+
+    def step(batch: dict[str, Any]) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = forward(batch["input_ids"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"], foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    step_s = _timed(step, batches, spec["warmup"], device)
+    return {
+        "step_s": step_s,
+        "tokens": [float(_tokens(batch)) for batch in batches],
+        "losses": [float(loss) for loss in losses],
+        "flops_per_token": flops_per_token(config, length, "causal"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        **_memory(device.type == "cuda"),
+    }
+
+
 def _tokens(batch: dict[str, Any]) -> Any:
-    """Real input tokens of a batch: its attention mask's sum, else every position."""
-    if "attention_mask" in batch:
+    """Real input tokens of a batch: its 2-D padding mask's sum, else every position."""
+    if "attention_mask" in batch and batch["attention_mask"].dim() == 2:
         return batch["attention_mask"].sum().item()
     return batch["input_ids"].numel()
 
@@ -419,7 +628,13 @@ def child_device(spec: dict[str, Any]) -> dict[str, Any]:
     return info
 
 
-CHILDREN = {"lmpipe": child_lmpipe, "plain": child_plain, "device": child_device}
+CHILDREN = {
+    "lmpipe": child_lmpipe,
+    "plain": child_plain,
+    "nanogpt": child_nanogpt,
+    "init": child_init,
+    "device": child_device,
+}
 
 
 def run_child(spec: dict[str, Any]) -> None:
@@ -485,6 +700,7 @@ def summarize(
         "max_memory_gib": raw.get("max_memory_gib"),
         "first_loss": raw["losses"][0],
         "last_loss": raw["losses"][-1],
+        "mean_loss": statistics.fmean(raw["losses"][warmup:]),
         "timed_steps": len(step_s),
         "wall_s": raw.get("wall_s"),
     }
@@ -549,6 +765,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"the device check failed:\n{device['error']}")
     raw: dict[str, Any] = {}
     rows: dict[str, dict[str, Any]] = {}
+    inits: dict[str, str] = {}
     for name in names:
         setting = SETTINGS[name]
         model = MODELS[setting["model"]]
@@ -562,6 +779,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "tokenizer_dir": str(data / model["data"] / "tokenizer"),
             }
         )
+        if setting["model"] not in inits:  # one initial state per model, for every arm
+            init_dir = work / f"init-{setting['model']}"
+            state = str(work / f"init-{setting['model']}.pt")
+            built = launch(spec | {"loop": "init", "init": state}, init_dir)
+            if "error" in built:
+                raise SystemExit(f"building {setting['model']} failed:\n{built['error']}")
+            inits[setting["model"]] = state
+        spec["init"] = inits[setting["model"]]
         raw[name] = launch(spec, work / name)
         rows[name] = summarize(
             raw[name],
@@ -572,11 +797,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         print(name, json.dumps(rows[name]), flush=True)
         # After every setting: a run stopped at the device's time limit keeps what it measured.
+        agreement = loss_agreement(rows)
         report = {"command": sys.argv, "device": device, "rows": rows, "raw": raw}
+        report["loss_agreement"] = agreement
         (out / "pretrain_gpu.json").write_text(json.dumps(report, indent=1) + "\n")
         (out / "pretrain_gpu.md").write_text(table(rows, device) + "\n")
     print(table(rows, device))
-    return {"command": sys.argv, "device": device, "rows": rows, "raw": raw}
+    apart = {group: check for group, check in agreement.items() if not check["agree"]}
+    if apart:
+        raise SystemExit(f"the arms' mean losses differ by more than {LOSS_AGREEMENT:.0%}: {apart}")
+    return report
+
+
+def loss_agreement(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per model and masking, the arms' mean losses over the timed steps, and whether they agree.
+
+    Every arm starts from the same weights and sees the same batches with the same optimizer,
+    so in bf16 their mean losses must agree within `LOSS_AGREEMENT` (relative to the lowest);
+    a faster arm that trains a different model would not.
+    """
+    groups: dict[str, dict[str, float]] = {}
+    for name, row in rows.items():
+        if "mean_loss" not in row:
+            continue
+        setting = SETTINGS.get(name, {})
+        group = setting.get("model", name) + ("-docmask" if setting.get("docmask") else "")
+        groups.setdefault(group, {})[name] = row["mean_loss"]
+    result = {}
+    for group, means in groups.items():
+        low, high = min(means.values()), max(means.values())
+        spread = (high - low) / low if low > 0 else float("inf")
+        result[group] = {"means": means, "spread": spread, "agree": spread <= LOSS_AGREEMENT}
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:

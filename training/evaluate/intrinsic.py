@@ -76,7 +76,6 @@ def heldout_metrics(
         manifest["objective"],
         dynamic_masker(manifest, tokenizer_dir, seed),
         False,
-        torch.float32,
     )
     sparse = manifest["objective"] in ("bert", "sop", "roberta")
     meter = StepMeter()

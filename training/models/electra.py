@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from training.models import presets
+from training.models.vocab import UNPADDED_VOCAB
 
 IGNORE_INDEX = -100
 
@@ -100,6 +101,8 @@ def generator_config(
         "attention_probs_dropout_prob",
     )
     fields |= {name: getattr(disc_config, name) for name in shared}
+    if hasattr(disc_config, UNPADDED_VOCAB):  # the generator predicts over the same rows
+        fields[UNPADDED_VOCAB] = getattr(disc_config, UNPADDED_VOCAB)
     config = tf.ElectraConfig(**fields)
     config._attn_implementation = disc_config._attn_implementation
     return config

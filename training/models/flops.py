@@ -13,6 +13,7 @@ import transformers as tf
 from torch import Tensor, nn
 
 from training.models.models import family_of, model_class
+from training.models.vocab import UNPADDED_VOCAB
 from training.pretrain.losses import MLM_OBJECTIVES, SEQ2SEQ_OBJECTIVES
 
 #: The vocabulary projection of each family (tied to the input embedding except for llama).
@@ -61,7 +62,8 @@ def flops_per_token(
     Longformer's window, BigBird's blocks), the causal mask not halving it. N counts ALBERT's
     shared layers once per use and a mixture of experts' experts at top-k / experts. The
     vocabulary projection (6·d·V per predicted token) is counted apart: at `mlm_probability` of
-    the positions for sparse MLM, at all of them otherwise. Seq2seq (T5, BART) counts per
+    the positions for sparse MLM, at all of them otherwise, and over the real vocabulary only
+    (not the rows `model.pad_vocab_to_multiple_of` adds). Seq2seq (T5, BART) counts per
     encoder token: the decoder runs `target_len / seq_len` tokens per encoder token, with
     self-attention over `target_len` and cross-attention over `seq_len`. ELECTRA adds its
     `generator` (sparse MLM); distillation adds the `teacher`'s forward pass (a third of its
@@ -76,7 +78,8 @@ def flops_per_token(
     projection = model.get_submodule(_OUTPUT_LAYER[family])
     assert isinstance(projection, nn.Linear)
     output = projection.weight  # (V, d)
-    head = 6.0 * output.numel()
+    rows = getattr(model_config, UNPADDED_VOCAB, None) or output.shape[0]
+    head = 6.0 * rows * output.shape[1]  # padded rows are not useful work
     width = float(model_config.num_attention_heads * _head_dim(model_config))
     extra = 0.0
     if generator is not None:

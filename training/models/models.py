@@ -20,6 +20,7 @@ from huggingface_hub.errors import StrictDataclassError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from training.models import presets
+from training.models.vocab import pad_vocab
 
 Family = Literal[
     "bert",
@@ -276,6 +277,15 @@ class ModelConfig(BaseModel):
         le=1,
         description="Override every dropout probability of the family (None: the preset's).",
     )
+    pad_vocab_to_multiple_of: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Embedding and output rows are padded up to a multiple of this, so the "
+        "vocabulary matmuls run on tensor-core shapes (Megatron's "
+        "make-vocab-size-divisible-by); the padded rows are masked out of every loss and "
+        "prediction and cut off at export. 1 pads nothing.",
+    )
 
     @field_validator("family", mode="before")
     @classmethod
@@ -434,6 +444,7 @@ def model_config_for(
             f"with model.overrides={cfg.overrides}: {err}"
         ) from err
     _check_fits(cfg.family, config, specials, max_length)
+    pad_vocab(config, cfg.pad_vocab_to_multiple_of)
     config._attn_implementation = spec.attention
     return config
 

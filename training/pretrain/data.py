@@ -24,7 +24,7 @@ from tasks.common import schema
 from tasks.common.io import read_ipc_stream, safe_join, sha256_file
 from tasks.examples.objectives import MaskConfig, mask_tokens, sample_keys, word_start_table
 from training.pretrain.length_schedule import rows_at_length
-from training.pretrain.packing import causal_document_mask, document_ids, document_positions
+from training.pretrain.packing import document_ids, document_positions
 
 log = logging.getLogger(__name__)
 _PERMUTATION_SALT = 0x0D_A7A0  # keeps the order's stream apart from other seeded draws
@@ -204,6 +204,9 @@ def dynamic_masker(manifest: dict[str, Any], tokenizer_dir: Path, seed: int) -> 
 #: A masked-LM batch's flat indices of its masked tokens (labels != -100), in row-major order:
 #: the loss gathers those rows by index, with no host read of the labels on the device.
 MASKED_POSITIONS = "masked_positions"
+#: Document-masked causal batches: (B, L) the document each token belongs to in its block. The
+#: loss builds the 4-D mask from it on the device (`training.pretrain.packing`).
+DOCUMENT_IDS = "document_ids"
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,6 @@ class BatchBuilder:
     objective: str
     masker: Masker | None = None
     document_masking: bool = False
-    mask_dtype: torch.dtype = torch.float32  # of the 4-D document mask (the compute dtype)
 
     def __call__(
         self, rows: dict[str, Any], indices: np.ndarray, epoch: int, length: int | None = None
@@ -259,7 +261,6 @@ class BatchBuilder:
         batch: dict[str, Any] = {schema.INPUT_IDS: torch.from_numpy(ids)}
         if self.document_masking:
             starts, length = rows[schema.DOC_STARTS], ids.shape[1]
-            docs = torch.from_numpy(document_ids(starts, length))  # (B, L)
+            batch[DOCUMENT_IDS] = torch.from_numpy(document_ids(starts, length))  # (B, L)
             batch["position_ids"] = torch.from_numpy(document_positions(starts, length))
-            batch["attention_mask"] = causal_document_mask(docs, self.mask_dtype)  # (B,1,L,L)
         return batch

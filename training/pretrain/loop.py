@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from training.pretrain.data import (
 from training.pretrain.length_schedule import check_length_schedule, length_at
 from training.pretrain.losses import (
     SEQ2SEQ_OBJECTIVES,
+    StepOutput,
     export_loss,
     exported_model,
     pretraining_loss,
@@ -90,10 +92,6 @@ def _seed_for(seed: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, rank, 0xD70]).generate_state(1, np.uint32)[0])
 
 
-def _dtype(precision: str) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
 class Worker:
     """One rank's model, data and engine, and the steps it takes."""
 
@@ -109,7 +107,6 @@ class Worker:
             self.objective,
             dynamic_masker(manifest, job.tokenizer_dir, job.seed),
             self.cfg.document_masking,
-            _dtype(self.cfg.precision),
         )
         torch.manual_seed(job.seed)  # identical initial weights on every rank
         length = manifest["config"][
@@ -133,7 +130,16 @@ class Worker:
             self.ds_config,
             leaves,
         )
-        if self.cfg.compile:
+        self.loss: Callable[[dict[str, torch.Tensor], bool], StepOutput] = self._forward
+        if (
+            self.cfg.compile
+            and self.cfg.compile_scope == "model_and_loss"
+            and self.cfg.zero_stage < 3
+        ):
+            # One graph from the ids to the loss: the padded-vocabulary masking, the float cast
+            # and the cross-entropy fuse instead of each writing a (tokens x vocabulary) tensor.
+            self.loss = torch.compile(self.loss)
+        elif self.cfg.compile:  # ZeRO 3's gather hooks run around each module's forward
             for child in self.engine.module.children():
                 child.compile()
         opt = self.cfg.optim
@@ -155,7 +161,8 @@ class Worker:
             )
         self.guard = LossGuard(self.cfg.guard)
         self.guard.to(self.engine.device)
-        self.update = DeviceUpdate(self.engine, self.cfg.optim.grad_clip, self.ds_config)
+        direct = self.cfg.zero_stage == 0 and ctx.world_size == 1 and self.cfg.precision != "fp16"
+        self.update = DeviceUpdate(self.engine, self.cfg.optim.grad_clip, self.ds_config, direct)
         self.precision = functools.partial(autocast_for, self.ds_config, self.engine.device)
         flops_at = functools.lru_cache(maxsize=8)(lambda seq: self._flops(manifest, seq))
         tracker: Tracker = NullTracker()
@@ -164,6 +171,10 @@ class Worker:
         self.telemetry = Telemetry(self.cfg, ctx, tracker, flops_at(length), flops_at)
         self.step, self.cursor, self.tokens_seen = 0, Cursor(), 0
         torch.manual_seed(_seed_for(job.seed, ctx.rank))  # dropout differs across ranks
+
+    def _forward(self, batch: dict[str, torch.Tensor], sparse_mlm: bool) -> StepOutput:
+        """The model's forward pass and loss on one micro-batch (what `compile` compiles)."""
+        return pretraining_loss(self.engine.module, self.objective, batch, sparse_mlm)
 
     def _flops(self, manifest: dict[str, Any], length: int) -> float:
         labels = self.train_data.columns.get(schema.LABELS)
@@ -301,15 +312,14 @@ class Worker:
         for i, ids in enumerate(micro):
             batch = self._device(self.build(self.train_data.take(ids), ids, epoch, length))
             with self.precision():
-                out = pretraining_loss(
-                    self.engine.module, self.objective, batch, self.cfg.sparse_mlm
-                )
+                out = self.loss(batch, self.cfg.sparse_mlm)
             self.guard.observe(out.loss)
-            self.engine.backward(out.loss)
-            if i == len(micro) - 1:  # the update's boundary: decide, clip, then step
+            self.update.backward(out.loss)
+            boundary = i == len(micro) - 1
+            if boundary:  # the update's boundary: decide, clip, then step
                 skip, record = self.guard.decide()
                 grad_norm = self.update.prepare(skip)
-            self.engine.step()
+            self.update.step(boundary)
             meter.add(out, batch)
         self.schedule.step()  # the next step's rates
         self.cursor = after

@@ -1,10 +1,11 @@
 """The pretraining forward pass of each objective, its metrics, and FLOPs per token for MFU.
 
 A batch is a dict of int64 tensors keyed by the example stage's column names (`tasks.common.schema`)
-plus `attention_mask`, and for document-masked causal blocks `position_ids` and a 4-D additive
-mask (training/pretrain/packing.py). Masked-LM logits are computed only at the masked positions
-(sparse MLM, as original BERT). Models come from training/models/models.py; no optimiser, data
-loading or tracking lives here. Definitions are in docs/models.md.
+plus `attention_mask`, and for document-masked causal blocks `position_ids` and `document_ids`,
+from which the 4-D additive mask is built on the device (training/pretrain/packing.py); a
+4-D `attention_mask` given instead is used as is. Masked-LM logits are computed only at the
+masked positions (sparse MLM, as original BERT). Models come from training/models/models.py; no
+optimiser, data loading or tracking lives here. Definitions are in docs/models.md.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from tasks.common import schema
 from training.models.distill import DistillationModel
 from training.models.electra import ElectraPretrainer, corrupt
 from training.models.models import family_of
-from training.pretrain.data import MASKED_POSITIONS
+from training.models.vocab import mask_padded_vocab
+from training.pretrain.data import DOCUMENT_IDS, MASKED_POSITIONS
+from training.pretrain.packing import causal_document_mask
 
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
@@ -200,7 +203,11 @@ def _mlm_logits(
     `positions` (M,): the flat indices of the masked tokens, when the batch carries them
     (`training.pretrain.data.MASKED_POSITIONS`).
     """
-    predict = model.get_submodule(head) if isinstance(head, str) else head
+    module = model.get_submodule(head) if isinstance(head, str) else head
+
+    def predict(rows: Tensor) -> Tensor:
+        return mask_padded_vocab(module(rows), model.config)
+
     if not sparse:
         logits = predict(hidden)  # (B, T, V)
         return logits.flatten(0, 1), labels.flatten()
@@ -425,16 +432,19 @@ def _causal_forward(
     """`causal_logits`, plus the router's load-balancing loss of a mixture of experts."""
     _require(batch, schema.INPUT_IDS)
     extra = {"output_router_logits": True} if router_loss else {}
+    mask = batch.get(ATTENTION_MASK)
+    if DOCUMENT_IDS in batch:  # built here, on the batch's device, in the model's dtype
+        mask = causal_document_mask(batch[DOCUMENT_IDS], model.dtype)
     out = model(
         input_ids=batch[schema.INPUT_IDS],
         attention_mask=_model_mask(
-            batch.get(ATTENTION_MASK), model.dtype, getattr(model.config, "sliding_window", None)
+            mask, model.dtype, getattr(model.config, "sliding_window", None)
         ),
         position_ids=batch.get(POSITION_IDS),
         use_cache=False,  # training: no KV cache (and none under activation checkpointing)
         **extra,
     )
-    logits: Tensor = out.logits
+    logits = mask_padded_vocab(out.logits, model.config)
     return logits, getattr(out, "aux_loss", None) if router_loss else None
 
 
@@ -473,7 +483,7 @@ def _seq2seq_loss(model: tf.PreTrainedModel, name: str, batch: Mapping[str, Tens
         decoder_input_ids=batch[schema.DECODER_INPUT_IDS],
         use_cache=False,
     )
-    logits = out.logits  # (B, S, V)
+    logits = mask_padded_vocab(out.logits, model.config)  # (B, S, V)
     labels = batch[schema.LABELS]  # (B, S)
     pad = model.config.pad_token_id
     if pad is not None:

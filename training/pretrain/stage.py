@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common.io import code_version, flatten, write_json_atomic
@@ -30,6 +30,7 @@ from training.models.export import (
 )
 from training.models.models import count_parameters
 from training.models.pretraining_model import build_export_model
+from training.models.vocab import unpad_vocab
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import BatchBuilder, ExampleShards, dynamic_masker, read_manifest
 from training.pretrain.loop import EVAL_EPOCH
@@ -71,6 +72,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> tuple[Path, ModelCard]
             f"{checkpoint}: weights do not fit the model: missing {sorted(set(missing) - tied)}, "
             f"unexpected {sorted(unexpected)}"
         )
+    unpad_vocab(model)  # the export has the tokenizer's rows only
     card = _card(cfg, meta, manifest, tokenizer_dir, model)
     export_model(model, tokenizer_dir, out_dir, card)
     batch = reference_batch(meta, examples_dir, tokenizer_dir, cfg)
@@ -101,7 +103,6 @@ def reference_batch(
         manifest["objective"],
         dynamic_masker(manifest, tokenizer_dir, int(meta["seed"])),
         cfg.document_masking,
-        torch.float32,
     )
     return build(data.take(indices), indices, EVAL_EPOCH)
 
@@ -187,6 +188,7 @@ def pretrain_stage(
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     if record.get("registered") and not stop_at_step:
         return dict(record["summary"]) | {"reused": True}
+    log.info("pretraining run %s: %s", run_id, cfg.precision_choice())
     mlflow_run = record.get("mlflow_run_id")
     if uri is not None:
         tags = {"stage": "pretrain", "train_run": run_id, "family": cfg.model.family}
@@ -194,6 +196,10 @@ def pretrain_stage(
         if not record:
             MlflowTracker(uri, mlflow_run).log_params(
                 flatten({"train": cfg.model_dump(mode="json")})
+                | {
+                    "resolved_precision": cfg.precision,
+                    "requested_precision": cfg.requested_precision,
+                }
             )
     try:
         run = run_training(
@@ -281,6 +287,7 @@ def pretrain_task(
     resume: bool = False,
 ) -> dict[str, Any]:
     """Prefect task: `pretrain_stage` on paths (a finished, registered run is reused)."""
+    get_run_logger().info("pretraining: %s", cfg.precision_choice())  # shown on the console
     return pretrain_stage(
         cfg,
         seed,

@@ -57,6 +57,9 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         # first step already trains (DeepSpeed's WarmupDecayLR gave it lr 0).
         "steps_per_print": 1 << 30,  # lmpipe logs; DeepSpeed's own prints would interleave
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronises the device at the start of
+        # every forward and at every step from the third on; lmpipe measures its own throughput.
+        "timers": {"throughput": {"enabled": False}},
     }
     if cfg.zero_stage > 0:
         ds["zero_allow_untested_optimizer"] = True

@@ -42,7 +42,9 @@ FAMILIES: tuple[Family, ...] = get_args(Family)
 
 def published(family: Family, size: Size, vocab: int, pad: int, eos: int) -> tf.PreTrainedConfig:
     specials = {"pad": pad, "eos": eos, "cls": 0, "vocab_size": vocab}
-    return model_config_for(ModelConfig(family=family, size=size), vocab, specials, 512)
+    # The published checkpoints' own vocabularies, unpadded.
+    cfg = ModelConfig(family=family, size=size, pad_vocab_to_multiple_of=1)
+    return model_config_for(cfg, vocab, specials, 512)
 
 
 @pytest.mark.parametrize(
@@ -80,7 +82,11 @@ def test_pretraining_models_match_published_counts(
     specials = {"pad": 0, "eos": 1, "vocab_size": vocab}
     with torch.device("meta"):
         model = build_model(
-            ModelConfig(family=family, size=size), OBJECTIVE[family], vocab, specials, 512
+            ModelConfig(family=family, size=size, pad_vocab_to_multiple_of=1),
+            OBJECTIVE[family],
+            vocab,
+            specials,
+            512,
         )
     assert count_parameters(model) == expected
 

@@ -9,6 +9,7 @@ import transformers as tf
 from tasks.common import schema
 from training.models.flops import flops_per_token
 from training.models.models import Family, ModelConfig, build_model, model_config_for
+from training.models.vocab import mask_padded_vocab, unpad_vocab
 from training.pretrain.data import MASKED_POSITIONS
 from training.pretrain.losses import (
     ATTENTION_MASK,
@@ -312,3 +313,67 @@ def test_masked_positions_from_the_host_give_the_boolean_gathers_loss(
     for name, grad in grads(model, boolean.loss).items():
         torch.testing.assert_close(grad, gathered_grads[name], msg=name)
     assert model.config._attn_implementation == "sdpa"  # the 4-D padding mask path was taken
+
+
+def _batch_for(objective: str, vocab: int) -> dict[str, torch.Tensor]:
+    """A batch of ids below `vocab` for the MLM, causal or span objective."""
+    rng = torch.Generator().manual_seed(7)
+    if objective == "bert":
+        batch = mlm_batch("bert")
+        for key in (schema.INPUT_IDS, schema.LABELS):  # ids of the real vocabulary only
+            batch[key] = batch[key].clamp(max=vocab - 1)
+        return batch
+    ids = torch.randint(5, vocab, (B, T), generator=rng)
+    if objective == "causal":
+        return {schema.INPUT_IDS: ids}
+    labels = torch.randint(5, vocab, (B, 8), generator=rng)
+    decoder = torch.cat([torch.zeros(B, 1, dtype=torch.long), labels[:, :-1]], dim=1)
+    return {
+        schema.INPUT_IDS: ids,
+        ATTENTION_MASK: torch.ones(B, T, dtype=torch.long),
+        schema.DECODER_INPUT_IDS: decoder,
+        schema.LABELS: labels,
+    }
+
+
+@pytest.mark.parametrize(
+    ("family", "objective"), [("bert", "bert"), ("gpt2", "causal"), ("t5", "span_corruption")]
+)
+def test_padded_vocabulary_rows_carry_no_probability_and_no_gradient(
+    family: Family, objective: str
+) -> None:
+    real = VOCAB - 12  # padded to VOCAB rows
+    torch.manual_seed(0)
+    specials = SPECIALS | {"vocab_size": real, "sentinel_top": real - 1}
+    model = build_model(ModelConfig(family=family, dropout=0.0), objective, real, specials, T)
+    assert model.get_input_embeddings().num_embeddings == VOCAB
+    batch = _batch_for(objective, real)
+    padded = pretraining_loss(model, objective, batch)
+    model.zero_grad()
+    padded.loss.backward()  # type: ignore[no-untyped-call]
+    embedding_grad = model.get_input_embeddings().weight.grad
+    assert embedding_grad is not None
+    assert embedding_grad.shape[0] == VOCAB
+    assert torch.count_nonzero(embedding_grad[real:]) == 0  # no gradient reaches a padded row
+
+    unpad_vocab(model)  # what the export does: the same model with the tokenizer's rows only
+    assert model.get_input_embeddings().num_embeddings == real
+    assert not hasattr(model.config, "unpadded_vocab_size")
+    unpadded = pretraining_loss(model, objective, batch)
+    torch.testing.assert_close(padded.loss, unpadded.loss, rtol=1e-6, atol=1e-6)
+    for key, value in unpadded.counts.items():  # argmax hits: no padded id is ever predicted
+        torch.testing.assert_close(padded.counts[key], value, rtol=1e-6, atol=1e-6)
+
+
+def test_padded_logits_get_the_lowest_value_of_their_dtype_in_place() -> None:
+    config = model_config_for(ModelConfig(family="gpt2"), 1000, SPECIALS, T)
+    assert (config.vocab_size, config.unpadded_vocab_size) == (1024, 1000)
+    logits = torch.zeros(2, 3, 1024, dtype=torch.bfloat16)
+    assert mask_padded_vocab(logits, config) is logits
+    assert bool((logits[..., 1000:] == torch.finfo(torch.bfloat16).min).all())
+    assert bool((logits[..., :1000] == 0).all())
+    exact = model_config_for(ModelConfig(family="gpt2"), 1024, SPECIALS, T)
+    assert exact.vocab_size == 1024
+    assert not hasattr(exact, "unpadded_vocab_size")
+    unpadded = ModelConfig(family="gpt2", pad_vocab_to_multiple_of=1)
+    assert model_config_for(unpadded, 1000, SPECIALS, T).vocab_size == 1000

@@ -26,7 +26,7 @@ from training.pretrain.length_schedule import (
     length_at,
     rows_at_length,
 )
-from training.pretrain.packing import document_positions
+from training.pretrain.packing import causal_document_mask, document_positions
 
 CLS, PAD, SEP, UNK, MASK = 0, 1, 2, 3, 4  # RoBERTa's order: <s> <pad> </s> <unk> <mask>
 SPECIAL_IDS = np.array([CLS, PAD, SEP, UNK, MASK])
@@ -230,7 +230,8 @@ def test_causal_blocks_split_into_shorter_blocks_keep_every_token_in_order() -> 
     batch = BatchBuilder("causal", document_masking=True)(rows, np.arange(2), 0, length=4)
     assert batch[schema.INPUT_IDS].flatten().tolist() == ids.flatten().tolist()
     assert batch[schema.INPUT_IDS].shape == (8, 4)
-    assert batch["attention_mask"].shape == (8, 1, 4, 4)
+    mask = causal_document_mask(batch["document_ids"], torch.float32)  # built on the device
+    assert mask.shape == (8, 1, 4, 4)
     # Positions restart at every piece and document start, as for blocks cut at 4 tokens.
     assert batch["position_ids"].tolist() == [
         [0, 1, 2, 3], [0, 0, 1, 2], [0, 0, 1, 2], [0, 1, 2, 3],

@@ -1,7 +1,8 @@
 """Pretraining acceptance on the demo corpus: learning, ZeRO-3 export, registry, resume, kills.
 
 Real Ray Train (2 workers), real DeepSpeed on CPU, real MLflow (SQLite): the session's Ray and
-MLflow store are shared (tests/conftest.py).
+MLflow store are shared (tests/conftest.py). The bf16 resume runs the loop in this process
+(local_runs.py), as its GPU twin in test_gpu.py does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from local_runs import MAX_STEPS, STOP_AT, bf16_resume_config, whole_and_resumed
 
 from tasks.common.io import read_ipc_stream
 from tasks.common.ray_runtime import RayConfig
@@ -25,6 +27,7 @@ from training.pretrain.config import TrainConfig
 from training.pretrain.stage import pretrain_stage
 from training.registry.registry import download_model, resolve_version
 from training.registry.tracking import TrackingConfig
+from training.runtime.telemetry import _PEAK_CACHE, measure_peak_flops
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -146,7 +149,15 @@ def _in_memory_model(run: dict[str, Any]) -> torch.nn.Module:
 
     summary = run["summary"]
     model = AUTO_CLASSES[run["cfg"].model.family].from_pretrained(summary["export_dir"])
-    model.load_state_dict(gather_state_dict(Path(summary["checkpoint"]), "ds"), strict=False)
+    state = gather_state_dict(Path(summary["checkpoint"]), "ds")
+    # Training pads the vocabulary rows (model.pad_vocab_to_multiple_of); the export has the
+    # tokenizer's rows only, as the first rows of the trained ones.
+    embedding = model.get_input_embeddings().weight
+    name = next(n for n, p in model.named_parameters() if p is embedding)
+    real = embedding.shape[0]
+    model.resize_token_embeddings(state[name].shape[0])
+    model.load_state_dict(state, strict=False)
+    model.resize_token_embeddings(real)
     return model.eval()
 
 
@@ -244,6 +255,30 @@ def test_run_stopped_at_step_k_resumes_in_a_new_process_with_identical_losses(
     b = gather_state_dict(Path(stopped["run_dir"]) / "checkpoint_step-000000008", "ds")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_bf16_run_stopped_at_step_k_resumes_with_identical_losses_and_weights(
+    zero_stage: int,
+    demo_data: Any,
+    single_process_dist: None,
+    one_thread: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The fp32 test above covers Ray Train and the new process; this one the bf16 state a
+    # checkpoint must carry, through the same loop in this process (local_runs.py): at ZeRO 0
+    # torch autocast over fp32 weights, at ZeRO 2 DeepSpeed's bf16 weights with fp32 masters.
+    # MFU's CPU peak is the faster of bf16 and fp32; emulated bf16 is far below fp32, so its
+    # 1024^3 measurement (12-25 s here) is skipped: the peak stays fp32's.
+    monkeypatch.setitem(_PEAK_CACHE, torch.bfloat16, measure_peak_flops(torch.float32))
+    cfg = bf16_resume_config(use_gpu=False, zero_stage=zero_stage)
+    whole, resumed = whole_and_resumed(cfg, demo_data.examples("bert"), tmp_path)
+    after = range(STOP_AT + 1, MAX_STEPS + 1)
+    assert [resumed.losses()[s] for s in after] == [whole.losses()[s] for s in after]
+    a, b = whole.weights(), resumed.weights()
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
 @pytest.mark.parametrize("objective", ["bert", "causal", "span_corruption"])
