@@ -7,15 +7,14 @@ their own modules, composed here.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
-from pydantic.functional_validators import ModelWrapValidatorHandler
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from training.evaluate.generation import GenerationSettings
 from training.finetune.features.features import FeatureConfig
 from training.finetune.strategies import StrategyConfig
-from training.pretrain.config import ScaleConfig, auto_precision_data, precision_choice
+from training.pretrain.config import AutoPrecision, ScaleConfig
 from training.registry.model_ref import BaseModelRef
 
 
@@ -44,7 +43,7 @@ class LossConfig(BaseModel):
     )
 
 
-class FinetuneConfig(BaseModel):
+class FinetuneConfig(AutoPrecision):
     """Fine-tuning: base model, strategy, optimisation, stopping, engine and scale."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -116,28 +115,7 @@ class FinetuneConfig(BaseModel):
         default_factory=dict, description="Extra DeepSpeed keys merged over the generated ones."
     )
 
-    # Why `auto` chose `precision` (see `TrainConfig`); None when the precision was given.
-    _auto_reason: str | None = PrivateAttr(None)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _resolve_auto_precision(
-        cls, data: Any, handler: ModelWrapValidatorHandler[FinetuneConfig]
-    ) -> FinetuneConfig:
-        data, reason = auto_precision_data(data, default="fp32")
-        cfg = handler(data)
-        if reason is not None:  # a new object: `data` was a mapping
-            cfg._auto_reason = reason
-        return cfg
-
-    @property
-    def requested_precision(self) -> str:
-        """The precision asked for: `auto`, or the value of `precision` when it was given."""
-        return "auto" if self._auto_reason else self.precision
-
-    def precision_choice(self) -> str:
-        """The run's precision in one line, e.g. `precision auto -> fp32 (this CPU has ...)`."""
-        return precision_choice(self.precision, self._auto_reason)
+    PRECISION_DEFAULT: ClassVar[str] = "fp32"
 
     @model_validator(mode="after")
     def _zero_needs_deepspeed(self) -> FinetuneConfig:

@@ -12,7 +12,7 @@ import os
 import platform
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic.functional_validators import ModelWrapValidatorHandler
@@ -232,7 +232,41 @@ class EvalConfig(BaseModel):
     max_samples: int = Field(512, ge=1, description="Validation examples per evaluation.")
 
 
-class TrainConfig(BaseModel):
+class AutoPrecision(BaseModel):
+    """A section whose `precision` may be `auto`: resolved before validation, and why.
+
+    `TrainConfig` and `finetune`'s `FinetuneConfig` derive from it; `PRECISION_DEFAULT` is the
+    section's default precision. The resolved value is what the saved config, the run identity
+    and every worker see.
+    """
+
+    PRECISION_DEFAULT: ClassVar[str] = "auto"
+    if TYPE_CHECKING:  # each section declares its own `precision` field
+        precision: str
+    # Why `auto` chose `precision`, set when this object was validated from `auto`; None when
+    # the precision was given (a saved, already resolved config included).
+    _auto_reason: str | None = PrivateAttr(None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _resolve_auto_precision(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        data, reason = auto_precision_data(data, default=cls.PRECISION_DEFAULT)
+        cfg = handler(data)
+        if reason is not None:  # a new object: `data` was a mapping
+            cfg._auto_reason = reason
+        return cfg
+
+    @property
+    def requested_precision(self) -> str:
+        """The precision asked for: `auto`, or the value of `precision` when it was given."""
+        return "auto" if self._auto_reason else str(self.precision)
+
+    def precision_choice(self) -> str:
+        """The run's precision in one line, e.g. `precision auto -> fp32 (this CPU has ...)`."""
+        return precision_choice(str(self.precision), self._auto_reason)
+
+
+class TrainConfig(AutoPrecision):
     """Pretraining: model, batch, optimizer, precision, ZeRO stage, checkpoints, evaluation."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -321,30 +355,6 @@ class TrainConfig(BaseModel):
         None, description="Registered model name; default <run name>-<family>."
     )
     alias: str = Field("candidate", description="Registry alias set on the new model version.")
-
-    # Why `auto` chose `precision`, set when this object was validated from `auto`; None when
-    # the precision was given (a saved, already resolved config included).
-    _auto_reason: str | None = PrivateAttr(None)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _resolve_auto_precision(
-        cls, data: Any, handler: ModelWrapValidatorHandler[TrainConfig]
-    ) -> TrainConfig:
-        data, reason = auto_precision_data(data)
-        cfg = handler(data)
-        if reason is not None:  # a new object: `data` was a mapping
-            cfg._auto_reason = reason
-        return cfg
-
-    @property
-    def requested_precision(self) -> str:
-        """The precision asked for: `auto`, or the value of `precision` when it was given."""
-        return "auto" if self._auto_reason else self.precision
-
-    def precision_choice(self) -> str:
-        """The run's precision in one line, e.g. `precision auto -> fp32 (this CPU has ...)`."""
-        return precision_choice(self.precision, self._auto_reason)
 
     @model_validator(mode="after")
     def _distillation_needs_distilbert(self) -> TrainConfig:
