@@ -4,7 +4,7 @@ Usage: python bench/distillation.py [--fresh] [--seeds 0,1,2] [--steps 1500] [--
                                     [--reps 20] [--work bench/results/distillation] [--json FILE]
                                     [every other option of bench/pretraining_helps.py]
 
-Issue 9 acceptance. The data stages, the recipe's knobs and the fine-tuning harness are
+Acceptance of distillation. The data stages, the recipe's knobs and the fine-tuning harness are
 bench/pretraining_helps.py's, imported from it: the synthetic demo corpus, ingest, WordPiece,
 encode, BERT examples with dynamic masking, and lmpipe's `pretrain_stage` (Ray Train with 2
 workers, DeepSpeed ZeRO-2 on CPU, precision auto, MLflow off). It pretrains a BERT teacher (`mini`,

@@ -3,7 +3,7 @@
 Usage: python bench/pipeline_rerun.py [--work bench/results/pipeline_rerun] [--reruns 3]
                                       [--fresh] [--json FILE] [KEY=VALUE ...]
 
-Issue 7: the demo pipeline must finish in under 10 minutes on a 2-core machine (`make demo`
+Target: the demo pipeline must finish in under 10 minutes on a 2-core machine (`make demo`
 minus set-up), and a rerun with nothing changed (every stage a cache hit) in under 30 seconds.
 Each run is the real command in a new process (`.venv/bin/lmpipe run configs/demo.yaml`, with
 an ephemeral Prefect API under the work directory, local Ray, MLflow on SQLite), so a rerun

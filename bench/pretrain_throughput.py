@@ -3,7 +3,7 @@
 Usage: python bench/pretrain_throughput.py [--quick] [--warmup 10] [--steps 30]
                                            [--only NAME,...] [--ab NAME] [--out bench/results]
 
-Issue 5. Builds BERT examples of 128 tokens once (set-up, not measured): the real texts of
+Builds BERT examples of 128 tokens once (set-up, not measured): the real texts of
 ../shared/data (the four Gutenberg books and Tiny Shakespeare, one document per file, and the
 1,000 IMDB reviews) through the ingest, tokenizer (WordPiece, 30,522 tokens), encode and
 examples stages. Then, on the same examples, batches (the loop's seeded global order, static

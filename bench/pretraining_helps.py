@@ -4,7 +4,7 @@ Usage: python bench/pretraining_helps.py [--fresh] [--seeds 0,1,2] [--task resid
                                          [--work bench/results/pretraining_helps] [--json FILE]
                                          [recipe options: see --help; defaults = the recipe]
 
-Issue 6 acceptance ("pretraining must visibly help"). Writes the synthetic demo corpus
+Acceptance: "pretraining must visibly help". Writes the synthetic demo corpus
 (`tasks/demo/synthetic.py`), runs the real data stages on it (ingest, WordPiece tokenizer, encode,
 BERT examples with dynamic masking, on a local Ray) and pretrains once with lmpipe
 (`training.pretrain.stage.pretrain_stage`: Ray Train with 2 workers, DeepSpeed ZeRO-2 on CPU,

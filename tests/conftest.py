@@ -1,7 +1,7 @@
 """Session-wide fixtures: one local Ray, one Prefect API and one MLflow store per test session.
 
-Environment first: Ray reads RAY_AUTH_MODE at import (STACK_NOTES §0.3) and Prefect reads its
-settings at import, so they are set before anything imports either.
+Environment first: Ray reads RAY_AUTH_MODE at import (docs/stack.md, "Ray token authentication")
+and Prefect reads its settings at import, so they are set before anything imports either.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Checked over the source with `ast` (imports under `TYPE_CHECKING` and inside functions count):
 no import cycle between modules, nothing in tasks/ or training/ imports pipelines/, nothing in
-tasks/ imports training/, and no module over 500 lines. Written by issue 24's move into
+tasks/ imports training/, and no module over 500 lines. Written with the move into
 sub-packages; the allow-lists below hold what was true then and may only shrink.
 """
 

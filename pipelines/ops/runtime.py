@@ -20,8 +20,9 @@ log = logging.getLogger(__name__)
 def resolve_environment(cfg: RunConfig) -> RunConfig:
     """Fill unset service addresses from the environment and export what clients read.
 
-    Ray 2.60 clients that name an address need `RAY_AUTH_MODE=token` (STACK_NOTES §0.3); a
-    Prefect API URL and MLflow credentials from the config are exported for their clients.
+    Ray 2.60 clients that name an address need `RAY_AUTH_MODE=token` (docs/stack.md, "Ray token
+    authentication"); a Prefect API URL and MLflow credentials from the config are exported for
+    their clients.
 
     Raises:
         StorageError: the workspace is a local path, the cluster has several nodes and

@@ -301,7 +301,8 @@ def _plan(cfg: ServersConfig, state_dir: Path) -> list[_Launch]:
     base = {
         **os.environ,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",  # 10 -> 2 processes (STACK_NOTES §3)
+        # 10 -> 2 processes (docs/stack.md, "The MLflow server")
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
     }
     return [_plan_prefect(cfg, state_dir, base), _plan_mlflow(cfg, state_dir, base)]
 

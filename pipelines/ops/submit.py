@@ -196,7 +196,8 @@ def build_runtime_env(
 ) -> dict[str, Any]:
     """The job's runtime_env: the project as working_dir, plus the environment it needs."""
     env_vars = {
-        # Driver and cluster must agree on auth (STACK_NOTES §0.3); the token stays on the nodes.
+        # Driver and cluster must agree on auth (docs/stack.md, "Ray token authentication"); the
+        # token stays on the nodes.
         "RAY_AUTH_MODE": env.get("RAY_AUTH_MODE", "token"),
         "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
         "OMP_NUM_THREADS": "1",

@@ -1,10 +1,11 @@
 """How stage work reaches Ray: plain Ray tasks over work units, a bounded number in flight.
 
 One Prefect task per stage drives these Ray tasks from its process (the driver). A local Ray is
-started on first use, bound to 127.0.0.1 and sized so its own tasks never starve (STACK_NOTES
-§0.4); with `ray.address` set, the same code runs on a cluster. `check_storage` refuses a
-workspace that the cluster's other nodes cannot see (a local path on several nodes), and
-`ensure_ray` refuses a non-loopback cluster without token authentication (`RAY_AUTH_MODE=token`).
+started on first use, bound to 127.0.0.1 and sized so its own tasks never starve (docs/stack.md, "A
+local Ray with room for its own tasks"); with `ray.address` set, the same code runs on a cluster.
+`check_storage` refuses a workspace that the cluster's other nodes cannot see (a local path on
+several nodes), and `ensure_ray` refuses a non-loopback cluster without token authentication
+(`RAY_AUTH_MODE=token`).
 """
 
 from __future__ import annotations

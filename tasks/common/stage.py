@@ -129,7 +129,7 @@ def sweep_leftovers(out: Path) -> None:
     A finished output (its manifest written) can still hold them: its run was killed after the
     manifest but before this sweep, or a Ray worker was killed mid-write and its task retried
     on another worker, which leaves the dead worker's temp file beside the shard the retry
-    wrote (issue 8, tests/reliability/test_data_chaos.py). So a stage sweeps once its manifest
+    wrote (tests/reliability/test_data_chaos.py). So a stage sweeps once its manifest
     is written, and again whenever it reuses the output.
     """
     shutil.rmtree(out / "_staging", ignore_errors=True)

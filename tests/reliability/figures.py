@@ -1,4 +1,4 @@
-"""The reliability suite (issue 8): trial counts and the figures each module records.
+"""The reliability suite: trial counts and the figures each module records.
 
 `make test` runs every module at its quick count (a few trials, inside the suite's time budget);
 `make test-reliability` sets `LMPIPE_RELIABILITY=full` and runs the full counts. Each module

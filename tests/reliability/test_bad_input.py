@@ -1,4 +1,4 @@
-"""Bad input (issue 8): property-based tests over every reader of user-supplied input.
+"""Bad input: property-based tests over every reader of user-supplied input.
 
 The config loader (`pipelines.config`, `tasks.downstream.config`), the ingestion readers (txt,
 jsonl, json, csv, tsv, parquet, compressed) and the downstream readers (csv, tsv, jsonl, json,

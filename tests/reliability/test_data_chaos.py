@@ -1,4 +1,4 @@
-"""Data-stage chaos: SIGKILL ingestion, encoding and example creation at random points (issue 8).
+"""Data-stage chaos: SIGKILL ingestion, encoding and example creation at random points.
 
 A clean run builds every data stage once per module, in one workspace, while a watcher notes
 each stage's files as they appear. A trial deletes one stage's output there and starts that

@@ -1,4 +1,4 @@
-"""Names that become paths never escape their root (issue 8).
+"""Names that become paths never escape their root.
 
 Every place a name from config, data or a registry becomes a path is fed traversal: `..`,
 absolute paths, URL-encoded and double-encoded dots and slashes, backslashes, NUL, Unicode

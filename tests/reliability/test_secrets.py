@@ -1,4 +1,4 @@
-"""Secrets never reach logs, MLflow or Prefect (issue 8): a canary through a real stage flow.
+"""Secrets never reach logs, MLflow or Prefect: a canary through a real stage flow.
 
 A unique canary is planted in every place a secret enters lmpipe: the config's `SecretStr`
 fields (tracking password, Prefect API key, server auth string, admin password, database URLs,

@@ -1,4 +1,4 @@
-"""Untrusted weights never run code (issue 8): pickle payloads at every import entry point.
+"""Untrusted weights never run code: pickle payloads at every import entry point.
 
 A payload is a pickle whose `__reduce__` only creates a marker file under `tmp_path`. It is
 planted as `pytorch_model.bin`, as a DeepSpeed shard or RNG file of a checkpoint whose hashes no

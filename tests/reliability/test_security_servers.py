@@ -1,4 +1,4 @@
-"""Issue 8, server security: what each server lmpipe starts listens on, and who it answers.
+"""Server security: what each server lmpipe starts listens on, and who it answers.
 
 Started here, once per module and side by side (each in its own process group, ports free, state
 under a temp dir, traffic to 127.0.0.1 only, stopped by pid and group):

@@ -47,7 +47,7 @@ ModelFamily = Family
 # The Auto class that reloads each family's pretraining head from an export.
 AUTO_CLASSES: dict[str, Any] = {family: spec.auto for family, spec in FAMILIES.items()}
 # transformers 5 has no text2text-generation pipeline; T5 and BART serve as text-generation
-# (STACK_NOTES §3, §4).
+# (docs/stack.md, "transformers 5 pipelines").
 PIPELINE_TASKS: dict[str, str] = {
     family: "fill-mask" if spec.kind == "encoder" else "text-generation"
     for family, spec in FAMILIES.items()

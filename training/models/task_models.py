@@ -4,7 +4,7 @@ Here: `TaskSpec` (task type + label names), the (family, task type) support matr
 `load_task_model`, which loads a Hugging Face model directory's safetensors weights into the
 `transformers` task class of that task (the pretraining head dropped, the task head newly
 initialised) and checks that nothing but the head was missing, or builds the same architecture
-from the same config with fresh random weights (the no-pretraining baseline of issue 6).
+from the same config with fresh random weights (the no-pretraining baseline).
 Not here: turning tables into inputs (`training/finetune/features/features.py`), strategies, the
 training loop. The matrix and the choices behind it are documented in docs/tasks.md.
 """

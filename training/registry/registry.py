@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 MODEL_NAME_IN_RUN = "model"  # the LoggedModel's name
 HF_ARTIFACT_DIR = "hf_model"  # the export, verbatim, among the run's artifacts
-# Explicit, because inferring them imports torchvision, which we do not install (STACK_NOTES §0.5).
+# Explicit, because inferring them imports torchvision, which we do not install (docs/stack.md,
+# "MLflow's transformers flavor").
 _PIP_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
 _URI_VARIABLE = "MLFLOW_TRACKING_URI"
 

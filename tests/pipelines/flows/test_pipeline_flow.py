@@ -1,4 +1,4 @@
-"""The `pipeline` flow end to end (issue 7): every stage once, cached reruns, nested MLflow runs.
+"""The `pipeline` flow end to end: every stage once, cached reruns, nested MLflow runs.
 
 Real Prefect (the session API), Ray and MLflow on SQLite, on the demo recipe shortened to a few
 pretraining steps and one fine-tuning epoch.

@@ -1,4 +1,4 @@
-"""Issue 6 acceptance: pretraining on the demo corpus visibly helps on the demo's labelled task.
+"""Acceptance: pretraining on the demo corpus visibly helps on the demo's labelled task.
 
 The real path a user takes: `lmpipe compare` on the synthetic demo corpus runs ingest →
 tokenizer → encode → examples → pretraining (Ray Train, DeepSpeed), then fine-tunes the same

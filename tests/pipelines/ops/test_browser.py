@@ -1,6 +1,6 @@
 """The Prefect and MLflow UIs in headless Chromium: a deployment, its run, a registered model.
 
-Issue 7's browser acceptance test. It starts its own Prefect and MLflow servers (`lmpipe up`'s
+The browser acceptance test. It starts its own Prefect and MLflow servers (`lmpipe up`'s
 `start_servers`) on free loopback ports, serves the ingest deployment with a nightly schedule
 from an `lmpipe serve` subprocess, triggers a run through the API, registers a tiny model with
 an alias, and then reads the pages a user would open. Every page is saved as a screenshot under

@@ -1,9 +1,10 @@
 """`lmpipe submit` against a real two-node Ray cluster on this machine, plus its pure helpers.
 
 The cluster is this module's own: `ray start --head` and `ray start --address` as subprocesses,
-each node with its own temp dir (so the nodes never share `runtime_resources`: STACK_NOTES §2),
-its own ports and resources, token auth with a token file under the cluster's folder, and the
-dashboard on 127.0.0.1. It is stopped by killing exactly the processes it started.
+each node with its own temp dir (so the nodes never share `runtime_resources`: docs/stack.md, "Ray
+nodes on one host, and checkpoint registration"), its own ports and resources, token auth with a
+token file under the cluster's folder, and the dashboard on 127.0.0.1. It is stopped by killing
+exactly the processes it started.
 
 Ray 2.60's multi-node GCS and raylet listen on every interface whatever `--node-ip-address`
 says (docs/cluster.md), so the whole cluster, and every client the tests run against it, lives

@@ -211,7 +211,7 @@ def test_binary_and_empty_files_are_quarantined(tmp_path: Path) -> None:
     assert sorted(r for _, r in bad) == ["binary_file", "empty_file"]
 
 
-# Lines of every kind a JSON Lines file may hold, good and bad (issue 2's hostile cases).
+# Lines of every kind a JSON Lines file may hold, good and bad (hostile cases).
 _JSONL_LINES = [
     b'{"text": "plain"}',
     b'{"text": "unicode \xc3\xa9\xe2\x80\xa8 \\u2028 \\n escaped"}',

@@ -1,5 +1,5 @@
 """The fast recipes (bf16, `torch.compile`) train as the exact one (fp32 eager) does, within
-tolerance: the same loop, data and seed, losses per step compared (issue 5: the exactness tests
+tolerance: the same loop, data and seed, losses per step compared (the exactness tests
 run in fp32 without compilation; the fast default recipe is covered here)."""
 
 from __future__ import annotations
