@@ -201,3 +201,11 @@ def require_columns(table: pa.Table, *names: str) -> None:
     missing = [name for name in names if name not in table.column_names]
     if missing:
         raise SchemaError(f"missing column(s) {missing}; table has {table.column_names}")
+
+
+class ObjectiveMismatchError(ValueError):
+    """An objective that cannot be served, by the tokenizer or by the model family.
+
+    The tokenizer lacks a token it needs (T5 sentinels for span corruption), or the model family
+    cannot train on it.
+    """

@@ -34,6 +34,7 @@ from tasks.common.io import (
 )
 from tasks.common.progress import Reporter, make_reporter, ticker
 from tasks.common.ray_runtime import RayConfig, ensure_ray, map_bounded
+from tasks.common.schema import ObjectiveMismatchError
 from tasks.common.stage import (
     StageResult,
     complete_sharded,
@@ -71,10 +72,6 @@ _USE = {
     "denoising": "tokenizer.family=bpe with tokenizer.bpe_style=roberta, or "
     "tokenizer.family=wordpiece",
 }
-
-
-class ObjectiveMismatchError(ValueError):
-    """The tokenizer lacks a token the objective needs (e.g. T5 sentinels for span corruption)."""
 
 
 def objective_specials(

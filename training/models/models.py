@@ -19,6 +19,7 @@ import transformers as tf
 from huggingface_hub.errors import StrictDataclassError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tasks.common.schema import ObjectiveMismatchError
 from training.models import presets
 from training.models.vocab import pad_vocab
 
@@ -237,10 +238,6 @@ FAMILIES: dict[Family, FamilySpec] = {
 OBJECTIVES: dict[str, tuple[str, ...]] = {name: spec.objectives for name, spec in FAMILIES.items()}
 #: Families whose position ids start after the pad id (fairseq's numbering).
 PAD_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "longformer"})
-
-
-class ObjectiveMismatchError(ValueError):
-    """The model family cannot train on the examples' objective."""
 
 
 class ModelConfigError(ValueError):
