@@ -258,11 +258,11 @@ def child_init(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from training.models.models import ModelConfig, build_model
-    from training.pretrain.data import read_manifest
+    from training.pretrain.data import read_manifest, sequence_length
 
     manifest = read_manifest(Path(spec["examples_dir"]))
     objective = manifest["objective"]
-    length = manifest["config"]["block_size" if objective == "causal" else "max_seq_length"]
+    length = sequence_length(manifest)
     torch.manual_seed(SEED)
     section = ModelConfig.model_validate(model_section(spec))
     specials = manifest["specials"]
@@ -426,6 +426,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
 
     from training.models.flops import flops_per_token
     from training.models.models import ModelConfig, build_model
+    from training.pretrain.data import sequence_length
     from training.pretrain.losses import pretraining_loss
     from training.runtime.deepspeed import param_groups
 
@@ -433,7 +434,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device(spec["device"])
     manifest, batches = _device_batches(spec, device)
     objective = manifest["objective"]
-    length = manifest["config"]["block_size" if objective == "causal" else "max_seq_length"]
+    length = sequence_length(manifest)
     section = ModelConfig.model_validate(model_section(spec))
     specials = manifest["specials"]
     model = build_model(section, objective, specials["vocab_size"], specials, length)

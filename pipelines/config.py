@@ -147,10 +147,9 @@ class RunConfig(BaseModel):
     def _length_schedule_fits_the_examples(self) -> RunConfig:
         # Needs both sections, so it is checked here, before any stage runs (the training
         # loop checks again at its first step).
-        objective = self.examples.objective
-        full = self.examples.block_size if objective == "causal" else self.examples.max_seq_length
+        full = self.examples.sequence_length
         try:
-            check_length_schedule(self.train.length_schedule, objective, full)
+            check_length_schedule(self.train.length_schedule, self.examples.objective, full)
         except LengthScheduleError as err:
             raise ValueError(str(err)) from None
         return self

@@ -76,6 +76,11 @@ class ExamplesConfig(BaseModel):
     span: SpanConfig = Field(default_factory=SpanConfig)
     denoising: DenoisingConfig = Field(default_factory=DenoisingConfig)
 
+    @property
+    def sequence_length(self) -> int:
+        """Tokens per example: `block_size` for causal blocks, else `max_seq_length`."""
+        return self.block_size if self.objective == "causal" else self.max_seq_length
+
     @model_validator(mode="after")
     def _dynamic_has_one_copy(self) -> ExamplesConfig:
         if self.masking == "dynamic" and self.dupe_factor != 1:

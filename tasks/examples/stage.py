@@ -244,7 +244,7 @@ def run_examples(
     for entry in splits.values():
         entry["realised"] = realised(cfg, entry["counts"])
     first = jobs[0].ctx if jobs else None
-    length = cfg.block_size if cfg.objective == "causal" else cfg.max_seq_length
+    length = cfg.sequence_length
     targets = t5_raw_length(cfg)[1] if cfg.objective == "span_corruption" else 0
     out_schema = schema.examples_schema(
         cfg.objective,
@@ -256,6 +256,7 @@ def run_examples(
     manifest = {
         **manifest_header(STAGE, fp, config, code, inputs),
         "objective": cfg.objective,
+        "sequence_length": length,
         "seed": seed,
         "encode": {"fingerprint": encode["fingerprint"], "path": str(encode_dir)},
         "tokenizer": {"fingerprint": tokenizer["fingerprint"], "path": str(tokenizer_dir)},

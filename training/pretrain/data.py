@@ -46,6 +46,18 @@ def read_manifest(examples_dir: Path) -> dict[str, Any]:
     return manifest
 
 
+def sequence_length(manifest: dict[str, Any]) -> int:
+    """Tokens per example of an examples manifest (`sequence_length`).
+
+    A manifest written before that key existed gives `block_size` for causal blocks, else
+    `max_seq_length`, from its config.
+    """
+    if "sequence_length" in manifest:
+        return int(manifest["sequence_length"])
+    key = "block_size" if manifest["objective"] == "causal" else "max_seq_length"
+    return int(manifest["config"][key])
+
+
 class ExampleShards:
     """One split's example shards, memory-mapped, addressed by a global sample index."""
 

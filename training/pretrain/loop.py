@@ -37,6 +37,7 @@ from training.pretrain.data import (
     dynamic_masker,
     rank_micro_batches,
     read_manifest,
+    sequence_length,
 )
 from training.pretrain.length_schedule import check_length_schedule, length_at
 from training.pretrain.losses import (
@@ -109,9 +110,7 @@ class Worker:
             self.cfg.document_masking,
         )
         torch.manual_seed(job.seed)  # identical initial weights on every rank
-        length = manifest["config"][
-            "block_size" if self.objective == "causal" else "max_seq_length"
-        ]
+        length = sequence_length(manifest)
         specials = manifest["specials"]
         model = build_pretraining_model(
             self.cfg,

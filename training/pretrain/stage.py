@@ -32,7 +32,13 @@ from training.models.models import count_parameters
 from training.models.pretraining_model import build_export_model
 from training.models.vocab import unpad_vocab
 from training.pretrain.config import TrainConfig
-from training.pretrain.data import BatchBuilder, ExampleShards, dynamic_masker, read_manifest
+from training.pretrain.data import (
+    BatchBuilder,
+    ExampleShards,
+    dynamic_masker,
+    read_manifest,
+    sequence_length,
+)
 from training.pretrain.loop import EVAL_EPOCH
 from training.pretrain.losses import export_loss
 from training.registry.model_ref import resolve_base_model
@@ -57,7 +63,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> tuple[Path, ModelCard]
     manifest = read_manifest(examples_dir)
     specials = manifest["specials"]
     objective = manifest["objective"]
-    length = manifest["config"]["block_size" if objective == "causal" else "max_seq_length"]
+    length = sequence_length(manifest)
     teacher = meta.get("teacher_dir")
     model, prefix = build_export_model(
         cfg, objective, specials["vocab_size"], specials, length, Path(teacher) if teacher else None

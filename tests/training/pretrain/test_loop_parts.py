@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,14 @@ from training.pretrain.config import (
     assume_no_native_bf16,
     cpu_has_native_bf16,
 )
-from training.pretrain.data import Cursor, DataError, GlobalOrder, rank_micro_batches
+from training.pretrain.data import (
+    Cursor,
+    DataError,
+    GlobalOrder,
+    rank_micro_batches,
+    read_manifest,
+    sequence_length,
+)
 from training.runtime import checkpoint as ckpt
 from training.runtime.deepspeed import deepspeed_config, param_groups
 from training.runtime.guard import LossGuard, TrainingDivergedError
@@ -305,3 +313,15 @@ def test_zero0_runs_bf16_as_autocast_and_leaves_clipping_to_the_loop() -> None:
     zero2 = deepspeed_config(TrainConfig(precision="bf16", zero_stage=2), world_size=1)
     assert zero2["bf16"] == {"enabled": True}
     assert "torch_autocast" not in zero2
+
+
+def test_sequence_length_is_the_manifests_key_and_older_manifests_fall_back(
+    demo_data: Any,
+) -> None:
+    for objective, name in (("causal", "block_size"), ("bert", "max_seq_length")):
+        manifest = read_manifest(demo_data.examples(objective)["examples"])
+        assert manifest["sequence_length"] == manifest["config"][name] == 64
+        older = {k: v for k, v in manifest.items() if k != "sequence_length"}
+        older["config"] = {**manifest["config"], name: 48}  # the key an older manifest read
+        assert sequence_length(older) == 48
+        assert sequence_length(manifest) == 64
