@@ -265,6 +265,17 @@ class AutoPrecision(BaseModel):
         """The run's precision in one line, e.g. `precision auto -> fp32 (this CPU has ...)`."""
         return precision_choice(str(self.precision), self._auto_reason)
 
+    def __eq__(self, other: object) -> bool:
+        """Equal fields: how `precision` was chosen (given, or by `auto`) is not compared.
+
+        A config saved with `auto` resolved and loaded again trains exactly the same run.
+        """
+        if not isinstance(other, AutoPrecision):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
+    __hash__ = BaseModel.__hash__
+
 
 class TrainConfig(AutoPrecision):
     """Pretraining: model, batch, optimizer, precision, ZeRO stage, checkpoints, evaluation."""
