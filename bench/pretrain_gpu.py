@@ -52,7 +52,7 @@ and, in a second column, the matmul peak measured there.
 Targets: MFU >= 45% for GPT-2 and >= 40% for BERT-base, against the datasheet peak.
 
 `--device cpu --size tiny` runs the same code on a CPU
-(tests/training/pretrain/test_pretrain_gpu_bench.py).
+(tests/training/pretrain/test_pretrain_gpu_bench.py), in fp32 where the CPU has no native bf16.
 """
 
 from __future__ import annotations
@@ -288,8 +288,7 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
             "model": model_section(spec),
             "max_steps": spec["warmup"] + spec["steps"] + SYNC_CHECK_STEPS,
             "global_batch_size": batch,
-            "precision": "bf16",
-            "allow_emulated_bf16": True,  # bf16 on purpose, also in the CPU smoke run
+            "precision": "bf16" if _bf16(spec) else "fp32",
             "zero_stage": 0,
             "compile": spec["compile"],
             "compile_scope": spec["scope"],
@@ -391,6 +390,16 @@ def _device_batches(spec: dict[str, Any], device: Any) -> tuple[dict[str, Any], 
     return manifest, batches
 
 
+def _bf16(spec: dict[str, Any]) -> bool:
+    """Whether the arms train in bf16: on a GPU, and on a CPU that multiplies it natively.
+
+    A CPU run is a check of the code path (`--device cpu`); emulated bf16 would only slow it.
+    """
+    from training.pretrain.config import cpu_has_native_bf16
+
+    return spec["device"] == "cuda" or cpu_has_native_bf16()
+
+
 def _adamw(params: Any) -> Any:
     """Fused AdamW with `OPTIM`, as lmpipe's engine builds it."""
     import torch
@@ -450,7 +459,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     losses = []
 
     def step(batch: dict[str, Any]) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_bf16(spec)):
             out = loss_fn(batch, True)
         out.loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"], foreach=True)
@@ -561,7 +570,7 @@ def child_nanogpt(spec: dict[str, Any]) -> dict[str, Any]:
     losses = []
 
     def step(batch: dict[str, Any]) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_bf16(spec)):
             loss = forward(batch["input_ids"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"], foreach=True)
@@ -615,7 +624,8 @@ def child_device(spec: dict[str, Any]) -> dict[str, Any]:
     except ImportError as err:
         info["deepspeed"] = f"missing ({err})"
     gpu = spec["device"] == "cuda"
-    peak, source = peak_flops(torch.bfloat16, gpu)
+    dtype = torch.bfloat16 if _bf16(spec) else torch.float32  # the arms' compute dtype
+    peak, source = peak_flops(dtype, gpu)
     info |= {"peak_flops": peak, "peak_source": source}
     if gpu:
         device = torch.device("cuda", 0)
@@ -625,7 +635,7 @@ def child_device(spec: dict[str, Any]) -> dict[str, Any]:
             "measured_peak_flops": measure_cuda_peak_flops(torch.bfloat16, device),
         }
     else:
-        info["measured_peak_flops"] = measure_peak_flops(torch.bfloat16)
+        info["measured_peak_flops"] = measure_peak_flops(dtype)
     return info
 
 
