@@ -45,7 +45,7 @@ import transformers as tf  # noqa: E402
 from bench import pretraining_helps as helps  # noqa: E402  (also sets the env it needs)
 from tasks.common.ray_runtime import ensure_ray  # noqa: E402
 from tasks.demo.synthetic import SyntheticConfig  # noqa: E402
-from tasks.examples.examples import ExamplesConfig  # noqa: E402
+from tasks.examples.config import ExamplesConfig  # noqa: E402
 from tasks.examples.stage import run_examples  # noqa: E402
 from training.evaluate.plots import step_history  # noqa: E402
 from training.pretrain.config import TrainConfig  # noqa: E402

@@ -99,7 +99,7 @@ def _examples_stage(args: argparse.Namespace, warm: bool = False) -> dict[str, A
     import ray
 
     from tasks.common.ray_runtime import RayConfig, ensure_ray
-    from tasks.examples.examples import ExamplesConfig
+    from tasks.examples.config import ExamplesConfig
     from tasks.examples.stage import run_examples
 
     ray_cfg = RayConfig(num_workers=CORES)
@@ -131,7 +131,7 @@ def _examples_stage(args: argparse.Namespace, warm: bool = False) -> dict[str, A
 def _bert_rows(args: argparse.Namespace) -> np.ndarray:
     """(BATCHES * ROWS, LENGTH) unmasked `[CLS] A [SEP] B [SEP]` rows from the corpus."""
     from tasks.common.ray_runtime import RayConfig
-    from tasks.examples.examples import ExamplesConfig
+    from tasks.examples.config import ExamplesConfig
     from tasks.examples.stage import run_examples
 
     out = args.work / "rows"
@@ -149,7 +149,8 @@ def _masking(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
 
-    from tasks.examples.objectives import MaskConfig, mask_tokens, sample_keys
+    from tasks.examples.objectives.masking import MaskConfig, mask_tokens
+    from tasks.examples.objectives.rng import sample_keys
 
     rows = _bert_rows(args)
     tok = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
@@ -253,7 +254,9 @@ def _group_texts(args: argparse.Namespace) -> dict[str, Any]:
 def _causal_in_process(args: argparse.Namespace) -> dict[str, Any]:
     """The causal core alone, in one process: read each token shard, pack, write Arrow."""
     from tasks.common.io import write_ipc_stream
-    from tasks.examples.examples import causal_blocks, encoded_docs, fixed
+    from tasks.examples.cutting import causal_blocks
+    from tasks.examples.documents import encoded_docs
+    from tasks.examples.examples import fixed
 
     manifest = json.loads((Path(args.encode) / "manifest.json").read_text())
     eos = json.loads((Path(args.tokenizer) / "manifest.json").read_text())["special_tokens"][

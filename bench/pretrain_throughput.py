@@ -222,7 +222,7 @@ def prepare_examples(work: Path) -> dict[str, Any]:
     from tasks.common.ray_runtime import RayConfig
     from tasks.encode.encode import EncodeConfig
     from tasks.encode.stage import run_encode
-    from tasks.examples.examples import ExamplesConfig
+    from tasks.examples.config import ExamplesConfig
     from tasks.examples.stage import run_examples
     from tasks.tokenizer.stage import run_tokenizer
     from tasks.tokenizer.tokenizer import TokenizerConfig

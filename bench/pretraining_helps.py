@@ -50,7 +50,7 @@ from tasks.common.ray_runtime import RayConfig, ensure_ray  # noqa: E402
 from tasks.demo.synthetic import SyntheticConfig, make_world, write_corpus  # noqa: E402
 from tasks.encode.encode import EncodeConfig  # noqa: E402
 from tasks.encode.stage import run_encode  # noqa: E402
-from tasks.examples.examples import ExamplesConfig  # noqa: E402
+from tasks.examples.config import ExamplesConfig  # noqa: E402
 from tasks.examples.stage import run_examples  # noqa: E402
 from tasks.ingest.ingest import IngestConfig  # noqa: E402
 from tasks.ingest.stage import run_ingest  # noqa: E402

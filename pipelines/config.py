@@ -25,18 +25,17 @@ from pydantic import (
 )
 
 from pipelines.ops.deployments_config import DeploymentsConfig
-from pipelines.ops.servers import ServersConfig
+from pipelines.ops.servers_config import ServersConfig
 from tasks.common.io import redact_url
 from tasks.common.ray_runtime import RayConfig
 from tasks.decontaminate.decontaminate import DecontaminateConfig
 from tasks.downstream.config import DatasetConfig, load_dataset_config, parse_yaml
 from tasks.encode.encode import EncodeConfig
-from tasks.examples.examples import ExamplesConfig
+from tasks.examples.config import ExamplesConfig
 from tasks.ingest.ingest import IngestConfig
 from tasks.tokenizer.tokenizer import TokenizerConfig
-from training.evaluate.stage import EvaluateConfig
-from training.finetune.compare import CompareConfig
-from training.finetune.config import FinetuneConfig
+from training.evaluate.config import EvaluateConfig
+from training.finetune.config import CompareConfig, FinetuneConfig
 from training.pretrain.config import TrainConfig, emulated_bf16_problem
 from training.pretrain.length_schedule import LengthScheduleError, check_length_schedule
 from training.registry.tracking import TrackingConfig
@@ -284,7 +283,8 @@ def format_validation_error(exc: ValidationError, origin: str) -> str:
         key = ".".join(str(p) for p in error["loc"]) or "<root>"
         message = error["msg"]
         if error["type"] == "extra_forbidden":
-            message = "unknown key (misspelled?); see `lmpipe <command> --help` for valid keys"
+            listing = _keys_command(error["loc"])
+            message = f"unknown key (misspelled?); {listing} lists the valid keys"
         elif error["type"] == "literal_error":
             message = f"must be one of {error.get('ctx', {}).get('expected', '')}"
         if not error["loc"]:  # a check across sections: its input is the whole config
@@ -296,3 +296,14 @@ def format_validation_error(exc: ValidationError, origin: str) -> str:
         shown = redact_url(shown)  # a URL's password, wherever it appears
         lines.append(f"  {key} = {shown[:120]}: {message}")
     return "\n".join(lines)
+
+
+def _keys_command(loc: tuple[int | str, ...]) -> str:
+    """The `lmpipe config --keys SECTION` command for the section that holds the key at `loc`."""
+    parts = []
+    for part in loc[:-1]:
+        if isinstance(part, int) or str(part).isdigit():
+            break  # a list index: list the keys of the whole list's items
+        parts.append(str(part))
+    section = f" {'.'.join(parts)}" if parts else ""
+    return f"`lmpipe config --keys{section}`"

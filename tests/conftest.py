@@ -219,7 +219,7 @@ class DemoData:
         if key not in _DEMO_BUILT:
             from tasks.encode.encode import EncodeConfig
             from tasks.encode.stage import run_encode
-            from tasks.examples.examples import ExamplesConfig
+            from tasks.examples.config import ExamplesConfig
             from tasks.examples.stage import run_examples
             from tasks.tokenizer.stage import run_tokenizer
             from tasks.tokenizer.tokenizer import TokenizerConfig

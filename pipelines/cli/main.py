@@ -2,203 +2,97 @@
 
 Usage: `lmpipe ingest configs/demo.yaml ingest.shard_size_mb=16`. Every command takes a YAML
 recipe and dotted `key=value` overrides; an invalid key or value stops it before any work.
+The parser is `pipelines/cli/parser.py`; the exit codes and the one-line cause of a failure are
+`pipelines/cli/failures.py` (docs/cli.md). torch, Ray, Prefect, MLflow and transformers are
+imported only by the command that runs, so help, `config` and every refusal answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import contextlib
 import json
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
-from pipelines.config import ConfigError, RunConfig, load_config
+from pipelines.cli.failures import ExitCode, Terminated, report_failure, sigterm_raises
+from pipelines.cli.keys import UnknownSectionError, describe, format_keys
+from pipelines.cli.parser import build_parser, join_nested
+from pipelines.config import RunConfig, load_config
 
 console = Console(stderr=False)
+log = logging.getLogger(__name__)
 
-_OVERRIDES_HELP = "dotted overrides, e.g. ingest.shard_size_mb=16 ray.num_workers=4"
+__all__ = ["build_parser", "main"]
 
-
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", type=Path, help="YAML recipe (see configs/)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser with every subcommand and its help."""
-    parser = argparse.ArgumentParser(
-        prog="lmpipe",
-        description="Pretrain and fine-tune BERT-, GPT- and T5-style models from a raw corpus.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    ingest = sub.add_parser(
-        "ingest",
-        help="corpus files → cleaned, deduplicated, split Arrow shards",
-        description="Read the configured sources (txt, jsonl, json, csv/tsv, parquet, saved "
-        "datasets; gz/bz2/xz/zst), clean and filter each document, split it into sentences, "
-        "remove duplicates corpus-wide, assign train/validation/test by content hash and write "
-        "Arrow shards plus manifest.json under <workspace>/ingest/<fingerprint>/. Bad records "
-        "are counted and written to quarantine.jsonl. A rerun with identical inputs and config "
-        "reuses the output.",
-    )
-    _add_config_args(ingest)
-    tokenizer = sub.add_parser(
-        "tokenizer",
-        help="ingest and decontaminate (reused when done), then train or load the tokenizer",
-        description="Train a WordPiece (BERT), byte-level BPE (GPT-2/RoBERTa) or Unigram (T5) "
-        "tokenizer on the train split of the ingested shards, or load your own files "
-        "(tokenizer.pretrained.*), and save it under <workspace>/tokenizer/<fingerprint>/ so "
-        "that transformers.AutoTokenizer.from_pretrained loads it offline.",
-    )
-    _add_config_args(tokenizer)
-    encode = sub.add_parser(
-        "encode",
-        help="ingest and tokenizer (reused when done), then encode the corpus to token shards",
-        description="Encode every ingested shard with the tokenizer on Ray: ids per sentence "
-        "and per document (uint16 when the vocabulary fits), with token statistics and a "
-        "tokens-per-document histogram, under <workspace>/encode/<fingerprint>/.",
-    )
-    _add_config_args(encode)
-    examples = sub.add_parser(
-        "examples",
-        help="the stages before (reused when done), then pretraining examples; "
-        "`examples inspect CONFIG` prints a few",
-        description="Cut the encoded train and validation splits into examples of "
-        "examples.objective (bert, sop, roberta, causal, span_corruption, denoising) on Ray, under "
-        "<workspace>/examples/<fingerprint>/. `lmpipe examples inspect CONFIG [--count N]` "
-        "prints N decoded examples with masks, segments, spans and sentinels made visible.",
-    )
-    examples.add_argument(
-        "config", type=Path, help="YAML recipe, or the word 'inspect' followed by the recipe"
-    )
-    examples.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
-    examples.add_argument("--count", type=int, default=3, help="inspect: examples to print")
-    pretrain = sub.add_parser(
-        "pretrain",
-        help="the data stages (reused when done), then DeepSpeed pretraining on Ray Train",
-        description="Pretrain train.model on the examples with DeepSpeed inside Ray Train, "
-        "checkpointing every train.checkpoint.every_steps under <workspace>/pretrain/<run>/; "
-        "then export to Hugging Face format, check the reload and register the model in MLflow. "
-        "A finished run with the same inputs and config is reused; --resume continues a "
-        "stopped one from its newest valid checkpoint.",
-    )
-    _add_config_args(pretrain)
-    pretrain.add_argument(
-        "--resume", action="store_true", help="continue a stopped run of this config"
-    )
-    export = sub.add_parser(
-        "export",
-        help="export a training checkpoint to a Hugging Face directory",
-        description="Validate CHECKPOINT (a checkpoint_step-* directory) against its meta.json, "
-        "gather its full weights (any ZeRO stage), save them as safetensors with the tokenizer "
-        "and a model card, and check that the reload reproduces the training-time loss.",
-    )
-    export.add_argument("checkpoint", type=Path, help="a checkpoint_step-NNNNNNNNN directory")
-    export.add_argument("--out", type=Path, default=None, help="default: CHECKPOINT.export")
-    finetune = sub.add_parser(
-        "finetune",
-        help="prepare the task, then fine-tune the base model on Ray Train",
-        description="Read the `task` dataset (CSV, TSV, JSON, JSONL, Parquet, CoNLL or a saved "
-        "datasets directory) into <workspace>/downstream/<name>/, take the base model "
-        "(finetune.base: a local HF directory or a registry version; default the model the "
-        "pretrain flow exports), fine-tune it with finetune.strategy on Ray Train (DeepSpeed "
-        "optional), stop early on the validation metric, evaluate the test split, export and "
-        "register the model with lineage to its base, and log a report to MLflow and Prefect.",
-    )
-    _add_config_args(finetune)
-    compare = sub.add_parser(
-        "compare",
-        help="fine-tune several strategies x seeds on the task; one comparison table",
-        description="Run every compare.entries strategy once per compare.seeds seed on the "
-        "task, all in one MLflow experiment, and write one table (test metric mean and spread "
-        "over seeds, trainable parameters, time) with a bar chart.",
-    )
-    _add_config_args(compare)
-    evaluate = sub.add_parser(
-        "evaluate",
-        help="intrinsic evaluation of the base model; prompting on the task",
-        description="Held-out perplexity / masked-LM accuracy (when lmpipe pretrained the "
-        "model), fill-mask probes or generation samples (greedy, temperature, top-k, top-p), "
-        "and with evaluate.prompting zero- or few-shot classification of the task's split.",
-    )
-    _add_config_args(evaluate)
-    run = sub.add_parser(
-        "run",
-        help="the whole pipeline, every stage that exists, on one config",
-        description="Run the `pipeline` Prefect flow: ingest → decontaminate (when enabled) "
-        "→ tokenizer → encode → examples "
-        "→ pretrain → finetune (when a task is set) → evaluate. Stages whose inputs, config "
-        "and code are unchanged are reused.",
-    )
-    _add_config_args(run)
-    show = sub.add_parser(
-        "config",
-        help="print the resolved config (secrets left out)",
-        description="Validate a recipe with its overrides and print it.",
-    )
-    _add_config_args(show)
-    demo = sub.add_parser(
-        "demo-corpus",
-        help="write the synthetic demo corpus and its labelled tasks",
-        description="Generate, deterministically from a seed, a corpus with learnable structure "
-        "(facts that recur across documents, agreement grammar) plus fact-verification and "
-        "acceptability tasks. Needs no download.",
-    )
-    demo.add_argument("--out", type=Path, default=Path("workspace/demo_data"))
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--documents", type=int, default=3000)
-    for module in _OPERATIONS:
-        # Each operations module adds its subcommands with a `func(args) -> int` default.
-        importlib.import_module(module).register(sub)
-    return parser
-
-
-# Subcommands that operate the stack rather than run a stage; each module has `register(sub)`.
-_OPERATIONS: tuple[str, ...] = (
-    "pipelines.cli.serve",
-    "pipelines.cli.gc",
-    "pipelines.cli.submit",
-    "pipelines.cli.servers",
+#: Commands that run stages (Prefect flows, Ray): SIGTERM interrupts them cleanly.
+STAGE_COMMANDS = frozenset(
+    {"ingest", "tokenizer", "encode", "examples", "examples inspect", "pretrain"}
+    | {"finetune", "compare", "evaluate", "run"}
 )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the `lmpipe` command line; return the process exit code."""
-    args = build_parser().parse_args(argv)
+    """Run the `lmpipe` command line; return the process exit code (docs/cli.md).
+
+    A failure ends with one line on stderr naming its class and cause; `--debug` prints the
+    traceback before it (flows also log theirs).
+    """
+    words = join_nested(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(words)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    debug = bool(getattr(args, "debug", False))
+    guard = sigterm_raises() if args.command in STAGE_COMMANDS else contextlib.nullcontext()
+    try:
+        with guard:
+            return int(_dispatch(args))
+    except SystemExit as exc:
+        # Ray replaces the SIGTERM handler with `sys.exit(signum)` once it starts here (and
+        # its native core may then abort the process: docs/cli.md, "Exit codes").
+        if args.command not in STAGE_COMMANDS or exc.code != signal.SIGTERM:
+            raise
+        return int(report_failure(Terminated(f"signal {exc.code}"), debug))
+    except GeneratorExit:
+        raise
+    except BaseException as exc:  # reported as an exit code; the traceback with --debug
+        log.debug("lmpipe %s failed", args.command, exc_info=exc)
+        return int(report_failure(exc, debug))
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if getattr(args, "func", None) is not None:
         return int(args.func(args))
     if args.command == "demo-corpus":
         return _demo_corpus(args.out, args.seed, args.documents)
     if args.command == "export":
         return _export(args.checkpoint, args.out)
-    inspect = args.command == "examples" and str(args.config) == "inspect"
-    if inspect:
-        if not args.overrides:
-            console.print("[red]error:[/red] usage: lmpipe examples inspect CONFIG [KEY=VALUE]")
-            return 2
-        args.config, args.overrides = Path(args.overrides[0]), args.overrides[1:]
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
-        return 2
+    if args.command == "config" and args.keys is not None:
+        return _list_keys(args.keys, args.config)
+    if args.config is None:
+        print("error: lmpipe config needs a recipe, or --keys [SECTION]", file=sys.stderr)
+        return ExitCode.CONFIG
+    cfg = load_config(args.config, args.overrides)
     if args.command == "config":
         from tasks.common.io import public_dump
 
-        console.print_json(json.dumps(public_dump(cfg)))
+        if console.is_terminal:
+            console.print_json(json.dumps(public_dump(cfg)))
+        else:
+            _print_piped(json.dumps(public_dump(cfg), indent=2))
         return 0
     commands: dict[str, Callable[[RunConfig], dict[str, dict[str, Any]]]] = {
         "ingest": _run_ingest,
         "tokenizer": _run_tokenizer,
         "encode": _run_encode,
         "examples": _run_examples,
+        "examples inspect": _run_examples,
         "run": _run_pipeline,
         "pretrain": lambda c: _run_pretrain(c, args.resume),
         "finetune": _run_finetune,
@@ -206,9 +100,33 @@ def main(argv: list[str] | None = None) -> int:
         "evaluate": _run_evaluate,
     }
     stages = commands[args.command](cfg)
-    if inspect:
+    if args.command == "examples inspect":
         return _inspect(stages, args.count)
     return _summarise(cfg, stages)
+
+
+def _list_keys(section: str, stray: Path | None) -> int:
+    """Print every key under `section`; `stray` is a recipe given too (refused: ambiguous)."""
+    if stray is not None:
+        print(f"error: --keys lists the keys of every recipe; drop {stray}", file=sys.stderr)
+        return ExitCode.CONFIG
+    try:
+        keys = describe(section)
+    except UnknownSectionError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return ExitCode.CONFIG
+    _print_piped(format_keys(keys, width=max(60, console.width)))
+    return 0
+
+
+def _print_piped(text: str) -> None:
+    """Print to stdout; a reader that stops early (`| head`) is no failure."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python would raise again when it flushes stdout at exit: point it at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _run_ingest(cfg: RunConfig) -> dict[str, dict[str, Any]]:
@@ -266,9 +184,9 @@ def _export(checkpoint: Path, out: Path | None) -> int:
     target = out or checkpoint.with_name(checkpoint.name + ".export")
     try:
         path, card = export_checkpoint(checkpoint, target)
-    except CheckpointError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
-        return 2
+    except CheckpointError as exc:  # the argument names no valid checkpoint: a usage error
+        print(f"error: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG
     console.print(f"exported {card.family}-{card.size} (step {card.steps}) to {path}")
     return 0
 
@@ -300,6 +218,8 @@ def _run_pipeline(cfg: RunConfig) -> dict[str, dict[str, Any]]:
 
 
 def _summarise(cfg: RunConfig, stages: dict[str, dict[str, Any]]) -> int:
+    from rich.table import Table
+
     from pipelines.flows.summary import stage_rows, where_to_look
     from pipelines.ops.runtime import resolve_environment
 

@@ -17,14 +17,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from pipelines.config import ConfigError, _apply_override, read_recipe
-from pipelines.ops.servers import (
-    ServersConfig,
-    ServersError,
-    ServerStatus,
-    resolve_state_dir,
-    start_servers,
-    stop_servers,
-)
+from pipelines.ops.server_processes import ServersError
+from pipelines.ops.servers import ServerStatus, resolve_state_dir, start_servers, stop_servers
+from pipelines.ops.servers_config import ServersConfig
 
 console = Console(highlight=False, soft_wrap=True)  # long paths stay on one line
 

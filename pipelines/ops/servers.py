@@ -5,8 +5,9 @@ file (pid, pgid, port, URL, command) under the state directory, `<workspace>/.se
 default. Secrets (database URLs, passwords) reach the servers through their environment, never
 their command line, so neither `ps` nor the state file shows them.
 
-Not here: the command line (`pipelines.cli.servers`) and the docker-compose stack
-(`infra/docker-compose.yml`).
+Not here: the `servers:` section (`pipelines.ops.servers_config`), the state record and process
+groups (`pipelines.ops.server_processes`), the command line (`pipelines.cli.servers`) and the
+docker-compose stack (`infra/docker-compose.yml`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import importlib.util
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -29,158 +29,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import psutil
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
+
+from pipelines.ops.server_processes import (
+    ServersError,
+    ServerState,
+    StoppedServer,
+    live_leader,
+    read_state,
+    stop_group,
+)
+from pipelines.ops.servers_config import ServersConfig, exposure_problem
 
 log = logging.getLogger(__name__)
 
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 SERVER_NAMES = ("prefect", "mlflow")
 _LOG_TAIL_LINES = 40
-
-
-class ServersError(RuntimeError):
-    """A server could not be started or stopped; the message says which and why."""
-
-
-# The admin password of the basic_auth.ini older MLflow versions shipped: no authentication.
-MLFLOW_LEGACY_DEFAULT_PASSWORD = "password1234"
-
-
-def exposure_problem(host: str, auth: dict[str, Any]) -> str | None:
-    """Say why binding `host` with these auth settings is refused; None when it is not.
-
-    A loopback host needs no authentication; any other needs both `prefect_auth_string` and
-    `mlflow_admin_password` (set, not None) among `auth`, whatever else it holds.
-    """
-    if host in LOOPBACK_HOSTS:
-        return None
-    keys = ("prefect_auth_string", "mlflow_admin_password")
-    missing = [f"servers.{key}" for key in keys if auth.get(key) is None]
-    if not missing:
-        return None
-    return (
-        "not a loopback address (127.0.0.1, ::1, localhost), so both servers need "
-        f"authentication: set {' and '.join(missing)}"
-    )
-
-
-# Field -> (accepted URL prefixes, whether a local path is accepted too).
-_URL_PREFIXES: dict[str, tuple[tuple[str, ...], bool]] = {
-    "prefect_database_url": (("postgresql+asyncpg://", "sqlite+aiosqlite:///"), False),
-    "prefect_ui_api_url": (("http://", "https://"), False),
-    "mlflow_backend_store_uri": (("postgresql://", "postgresql+", "sqlite:///"), False),
-    "mlflow_artifacts_destination": (("s3://", "file://"), True),
-    "mlflow_s3_endpoint_url": (("http://", "https://"), False),
-}
-
-
-class ServersConfig(BaseModel):
-    """The local Prefect server and MLflow tracking server that `lmpipe up` starts."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    # The auth fields come before `host`: pydantic validates in field order, so host's
-    # validator sees them and the refusal is reported under the key `host`.
-    prefect_auth_string: SecretStr | None = Field(
-        None, description="Basic auth 'user:password' for the Prefect API and UI."
-    )
-    mlflow_admin_password: SecretStr | None = Field(
-        None, description="Turns on MLflow basic auth (needs mlflow[auth]): the admin password."
-    )
-    host: str = Field(
-        "127.0.0.1",
-        description="Bind address of both servers; one other than 127.0.0.1, ::1 or localhost "
-        "needs prefect_auth_string and mlflow_admin_password.",
-    )
-    prefect_port: int = Field(4200, ge=1, le=65535, description="Prefect server port.")
-    mlflow_port: int = Field(5000, ge=1, le=65535, description="MLflow server port.")
-    state_dir: Path | None = Field(
-        None, description="Logs, state files, SQLite databases; None = <workspace>/.servers."
-    )
-    prefect_database_url: SecretStr | None = Field(
-        None, description="None = SQLite in the state dir, or postgresql+asyncpg://U:P@HOST/DB."
-    )
-    prefect_ui_api_url: str | None = Field(
-        None, description="API URL the UI calls if browsers use another name: http://HOST:PORT/api"
-    )
-    mlflow_backend_store_uri: SecretStr | None = Field(
-        None, description="None = SQLite in the state dir, or postgresql://U:P@HOST/DB (psycopg2)."
-    )
-    mlflow_artifacts_destination: str | None = Field(
-        None, description="None = a directory in the state dir, or s3://BUCKET/PREFIX (boto3)."
-    )
-    mlflow_s3_endpoint_url: str | None = Field(
-        None, description="S3-compatible endpoint (MinIO), exported as MLFLOW_S3_ENDPOINT_URL."
-    )
-    mlflow_admin_username: str = Field("admin", min_length=1, description="MLflow admin user.")
-    mlflow_workers: int = Field(1, ge=1, le=64, description="MLflow server worker processes.")
-    mlflow_allowed_hosts: str | None = Field(
-        None, description="MLflow --allowed-hosts; None = localhost and private addresses."
-    )
-    startup_timeout_s: float = Field(120.0, gt=0, description="How long `up` waits for health.")
-    stop_timeout_s: float = Field(20.0, gt=0, description="`down`: SIGTERM, this wait, SIGKILL.")
-
-    @field_validator("host")
-    @classmethod
-    def _loopback_or_authenticated(cls, value: str, info: ValidationInfo) -> str:
-        problem = exposure_problem(value, info.data)
-        if problem is not None:
-            raise ValueError(problem)
-        return value
-
-    @field_validator("prefect_auth_string")
-    @classmethod
-    def _user_colon_password(cls, value: SecretStr | None) -> SecretStr | None:
-        user, sep, password = (value.get_secret_value() if value else "x:x").partition(":")
-        if not (user and sep and password):
-            raise ValueError("must look like 'user:password'")
-        return value
-
-    @field_validator("mlflow_admin_password")
-    @classmethod
-    def _mlflow_password_policy(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and len(value.get_secret_value()) < 12:
-            raise ValueError("must be at least 12 characters (MLflow's password policy)")
-        if value is not None and value.get_secret_value() == MLFLOW_LEGACY_DEFAULT_PASSWORD:
-            raise ValueError(
-                "must not be the default password older MLflow versions shipped "
-                "(publicly known: GHSA-gq3w-7jj3-x7gr)"
-            )
-        return value
-
-    @field_validator(*_URL_PREFIXES)
-    @classmethod
-    def _url_scheme(cls, value: SecretStr | str | None, info: ValidationInfo) -> Any:
-        text = value.get_secret_value() if isinstance(value, SecretStr) else value
-        prefixes, local_ok = _URL_PREFIXES[str(info.field_name)]
-        if text is not None and not (text.startswith(prefixes) or (local_ok and "://" not in text)):
-            raise ValueError(
-                f"must start with {' or '.join(prefixes)}" + local_ok * " or be a path"
-            )
-        return value
-
-    @field_validator("mlflow_port")
-    @classmethod
-    def _distinct_ports(cls, value: int, info: ValidationInfo) -> int:
-        if value == info.data.get("prefect_port"):
-            raise ValueError("must differ from servers.prefect_port")
-        return value
-
-
-class ServerState(BaseModel):
-    """One running server as its state file records it."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str
-    pid: int
-    pgid: int
-    create_time: float  # with pid, identifies the process (pids are reused)
-    host: str
-    port: int
-    url: str  # what a browser opens
-    api_url: str  # what clients use: PREFECT_API_URL / MLFLOW_TRACKING_URI
-    health_url: str
-    command: list[str]
-    log: Path
 
 
 @dataclass(frozen=True)
@@ -189,16 +52,6 @@ class ServerStatus:
 
     state: ServerState
     action: Literal["started", "already running"]
-
-
-@dataclass(frozen=True)
-class StoppedServer:
-    """What `stop_servers` did with one server."""
-
-    name: str
-    pid: int
-    processes: int  # how many were alive when `down` began
-    signal: Literal["SIGTERM", "SIGKILL", "none (not running)"]
 
 
 @dataclass(frozen=True)
@@ -218,7 +71,7 @@ def resolve_state_dir(cfg: ServersConfig, workspace: Path) -> Path:
 def read_states(cfg: ServersConfig, workspace: Path) -> dict[str, ServerState]:
     """The state files present under the state directory, by server name."""
     state_dir = resolve_state_dir(cfg, workspace)
-    found = {name: _read_state(state_dir / f"{name}.json") for name in SERVER_NAMES}
+    found = {name: read_state(state_dir / f"{name}.json") for name in SERVER_NAMES}
     return {name: state for name, state in found.items() if state is not None}
 
 
@@ -246,13 +99,13 @@ def start_servers(cfg: ServersConfig, workspace: Path) -> dict[str, ServerStatus
     todo: list[_Launch] = []
     for launch in _plan(cfg, state_dir):
         path = state_dir / f"{launch.name}.json"
-        state = _read_state(path)
-        if state is not None and _leader(state) is not None:
+        state = read_state(path)
+        if state is not None and live_leader(state) is not None:
             done[launch.name] = ServerStatus(state, "already running")
             continue
         if state is not None:
             log.info("removing the stale state file %s (pid %d is gone)", path, state.pid)
-            _stop_group(state, cfg.stop_timeout_s)
+            stop_group(state, cfg.stop_timeout_s)
             path.unlink()
         _require_free_port(cfg.host, launch.state["port"], launch.port_key)
         _require_drivers(cfg, launch.name)
@@ -264,7 +117,7 @@ def start_servers(cfg: ServersConfig, workspace: Path) -> dict[str, ServerStatus
         _wait_healthy(started, cfg.startup_timeout_s)
     except BaseException:
         for state in started:
-            _stop_group(state, cfg.stop_timeout_s)
+            stop_group(state, cfg.stop_timeout_s)
             (state_dir / f"{state.name}.json").unlink(missing_ok=True)
         raise
     for state in started:
@@ -285,7 +138,7 @@ def stop_servers(cfg: ServersConfig, workspace: Path) -> list[StoppedServer]:
     state_dir = resolve_state_dir(cfg, workspace)
     stopped = []
     for name, state in read_states(cfg, workspace).items():
-        stopped.append(_stop_group(state, cfg.stop_timeout_s))
+        stopped.append(stop_group(state, cfg.stop_timeout_s))
         (state_dir / f"{name}.json").unlink()
         log.info("stopped %s server (pid %d)", name, state.pid)
     return stopped
@@ -463,7 +316,7 @@ def _wait_healthy(states: list[ServerState], timeout_s: float) -> None:
         for state in list(pending):
             if _answers(opener, state.health_url):
                 pending.remove(state)
-            elif _leader(state) is None:
+            elif live_leader(state) is None:
                 raise ServersError(
                     f"the {state.name} server exited during start-up; "
                     f"the end of {state.log}:\n{_tail(state.log)}"
@@ -489,82 +342,6 @@ def _answers(opener: urllib.request.OpenerDirector, url: str) -> bool:
 def _tail(path: Path) -> str:
     lines = path.read_text(errors="replace").splitlines()
     return "\n".join(lines[-_LOG_TAIL_LINES:])
-
-
-def _read_state(path: Path) -> ServerState | None:
-    if not path.exists():
-        return None
-    try:
-        return ServerState.model_validate_json(path.read_text())
-    except ValueError as exc:
-        raise ServersError(
-            f"{path} is not a valid server state file ({exc}); check that no server of this "
-            "workspace runs, then delete it"
-        ) from None
-
-
-def _leader(state: ServerState) -> psutil.Process | None:
-    """The recorded process if it still runs (same pid *and* start time), else None."""
-    try:
-        proc = psutil.Process(state.pid)
-        same = abs(proc.create_time() - state.create_time) < 0.01
-        return proc if same and proc.status() != psutil.STATUS_ZOMBIE else None
-    except psutil.NoSuchProcess:
-        return None
-
-
-def group_processes(state: ServerState) -> list[psutil.Process]:
-    """Live processes of the server: its process group plus descendants that left it."""
-    try:
-        leader: psutil.Process | None = psutil.Process(state.pid)
-    except psutil.NoSuchProcess:
-        leader = None  # members of its group may still run: Linux keeps the id for them
-    if leader is not None and abs(leader.create_time() - state.create_time) >= 0.01:
-        # The pid belongs to another process now, so no group of that id was left to reuse.
-        return []
-    found = {p.pid: p for p in leader.children(recursive=True)} if leader else {}
-    for proc in [*([leader] if leader else []), *psutil.process_iter()]:
-        with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
-            if proc is leader or os.getpgid(proc.pid) == state.pgid:
-                found.setdefault(proc.pid, proc)
-    return [p for p in found.values() if _running(p)]
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _stop_group(state: ServerState, timeout_s: float) -> StoppedServer:
-    procs = group_processes(state)
-    if not procs:
-        return StoppedServer(state.name, state.pid, 0, "none (not running)")
-    sent: Literal["SIGTERM", "SIGKILL"] = "SIGTERM"
-    _signal_all(state.pgid, procs, signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)  # also reaps our own children
-    if alive:
-        sent = "SIGKILL"
-        _signal_all(state.pgid, alive, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=5)
-    left = group_processes(state)
-    if left:
-        raise ServersError(
-            f"{state.name} server: processes {[p.pid for p in left]} survived SIGKILL; "
-            f"kept {state.name}.json"
-        )
-    return StoppedServer(state.name, state.pid, len(procs), sent)
-
-
-def _signal_all(pgid: int, procs: list[psutil.Process], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):  # an empty group; descendants may be left
-        os.killpg(pgid, sig)
-    for proc in procs:  # those that called setsid() are outside the group
-        try:
-            proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            continue
 
 
 @contextlib.contextmanager

@@ -19,9 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-import ray
 from pydantic import BaseModel, ConfigDict, Field
-from ray._private import ray_constants
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -115,6 +113,8 @@ def storage_problem(workspace: str | Path, nodes: int, shared_storage: bool) -> 
 
 def alive_nodes() -> int:
     """Count the alive nodes (distinct node ids) of the connected Ray cluster."""
+    import ray
+
     return len({node["NodeID"] for node in ray.nodes() if node.get("Alive")})
 
 
@@ -147,6 +147,8 @@ def ensure_ray(cfg: RayConfig) -> None:
     problem = ray_auth_problem(cfg.address, os.environ.get("RAY_AUTH_MODE"))
     if problem is not None:
         raise RayAuthError(problem)
+    import ray  # here, not at the top: `RayConfig` validates without importing Ray
+
     if ray.is_initialized():
         return
     # Workers inherit these: one thread each keeps 2-core machines from oversubscribing.
@@ -203,6 +205,8 @@ def _loopback_node_ip() -> Iterator[None]:
     tests/reliability/test_security_servers.py lists the sockets, so a Ray upgrade that
     breaks this fails there.
     """
+    from ray._private import ray_constants
+
     saved = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
@@ -224,6 +228,8 @@ def map_bounded(
     alone at the end (longest-processing-time-first scheduling). The first task error is
     re-raised after the others in flight are cancelled.
     """
+    import ray
+
     remote = ray.remote(num_cpus=1, max_retries=2)(fn)
     results: dict[int, T] = {}
     pending: dict[Any, int] = {}
@@ -248,6 +254,8 @@ def map_bounded(
 def _collect_one(
     pending: dict[Any, int], results: dict[int, T], on_done: Callable[[int, T], None] | None
 ) -> None:
+    import ray
+
     done, _ = ray.wait(list(pending), num_returns=1)
     index = pending.pop(done[0])
     results[index] = ray.get(done[0])

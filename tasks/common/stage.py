@@ -1,8 +1,11 @@
-"""What every stage output shares: its result handle, manifest checks and directory commits.
+"""The stage scaffold every data stage follows, and what their outputs share.
 
 A stage writes `<workspace>/<stage>/<fingerprint>/` with `manifest.json` last. An output is
 complete when its manifest exists and every file it lists has the recorded size; anything else
-is rebuilt (or resumed, where the stage stages its parts).
+is rebuilt (or resumed, where the stage stages its parts). `plan_output` and `StageOutput` are
+the scaffold: fingerprint → reuse → staging → manifest → sweep of leftovers, in that order and
+in one place; the functions below them are its parts (and the checks stages make of their
+upstream outputs).
 """
 
 from __future__ import annotations
@@ -11,13 +14,23 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from tasks.common.io import safe_join, sha256_file
+from tasks.common.io import (
+    code_version,
+    fingerprint,
+    safe_join,
+    sha256_file,
+    write_json_atomic,
+)
 from tasks.common.schema import SCHEMA_VERSION
+
+#: What a stage's completeness check returns for a complete output: its manifest.
+Manifest = TypeVar("Manifest")
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,101 @@ class StageResult:
             "fingerprint": self.manifest["fingerprint"],
             "reused": self.reused,
         }
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """One stage output to reuse or make: its directory, fingerprint and manifest header.
+
+    Every data stage runs the same steps, each a method here:
+
+    ```python
+    out = plan_output(STAGE, inputs, config, workspace=workspace)  # fingerprint and place
+    done = out.reuse(complete_sharded)  # complete with this fingerprint: swept, reused
+    if done is not None:
+        return StageResult(out.path, done, reused=True)
+    staging = out.open_staging()  # or `tmp = out.open_temp_dir()` for an output built aside
+    ...  # write the output's files
+    return out.commit({**out.header(), ...})  # manifest.json last, then the sweep
+    ```
+    """
+
+    stage: str
+    path: Path
+    fingerprint: str
+    config: dict[str, Any]
+    code: dict[str, str | None]
+    inputs: Any
+
+    def header(self) -> dict[str, Any]:
+        """The keys this output's manifest starts with (`manifest_header`)."""
+        return manifest_header(self.stage, self.fingerprint, self.config, self.code, self.inputs)
+
+    def reuse(self, complete: Callable[[Path], Manifest | None]) -> Manifest | None:
+        """Return the manifest of a complete output here, its leftovers swept; else None.
+
+        Args:
+            complete: The stage's completeness check: the manifest of a complete output at a
+                path, else None (`complete_manifest`, `complete_sharded`, or the stage's own).
+        """
+        manifest = complete(self.path)
+        if manifest is not None:
+            sweep_leftovers(self.path)
+        return manifest
+
+    def open_staging(self) -> Path:
+        """Create the output directory's `_staging/` for a stage that builds in place."""
+        return open_staging(self.path)
+
+    def open_temp_dir(self) -> Path:
+        """Delete killed runs' temp directories, then create one to build the output in."""
+        remove_stale_temps(self.path)
+        return temp_dir_beside(self.path)
+
+    def commit(self, manifest: dict[str, Any], built_in: Path | None = None) -> StageResult:
+        """Write `manifest.json` last, move a temp directory into place, sweep leftovers.
+
+        Args:
+            manifest: The finished output's manifest.
+            built_in: The temp directory from `open_temp_dir`, when the output was built there;
+                None when it was built in place.
+        """
+        write_json_atomic((built_in or self.path) / "manifest.json", manifest)
+        if built_in is not None:
+            commit_dir(built_in, self.path)
+        sweep_leftovers(self.path)
+        return StageResult(self.path, manifest, reused=False)
+
+
+def plan_output(
+    stage: str,
+    inputs: Any,
+    config: dict[str, Any],
+    *,
+    workspace: Path | None = None,
+    path: Path | None = None,
+    seed: int | None = None,
+) -> StageOutput:
+    """Fingerprint a stage's inputs, config (and seed) with the code, and place its output.
+
+    The fingerprint is `sha256(inputs, config, seed, source hash of tasks/)[:16]`. The output
+    goes to `<workspace>/<stage>/<fingerprint>/`, or to `path` when the caller chose the
+    directory (a downstream dataset), which its completeness check then keys on the
+    fingerprint.
+
+    Raises:
+        ValueError: neither or both of `workspace` and `path` given.
+    """
+    code = code_version("tasks")
+    key = {"inputs": inputs, "config": config, "code": code["source_hash"]}
+    if seed is not None:
+        key["seed"] = seed
+    fp = fingerprint(key)
+    if workspace is not None and path is None:
+        path = workspace / stage / fp
+    elif workspace is not None or path is None:
+        raise ValueError("plan_output needs exactly one of workspace and path")
+    return StageOutput(stage, path, fp, config, code, inputs)
 
 
 class StageInputError(ValueError):

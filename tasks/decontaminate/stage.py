@@ -6,7 +6,7 @@ shard without such a document is hard-linked, not rewritten), `removed.arrow` (t
 documents, with `contaminated_by` and `split`), `quarantine.jsonl` (linked from the ingest
 output) and `manifest.json`, written last. The directory is built under a temp name and renamed
 when complete; a complete output with the same fingerprint (ingest output, config, eval files,
-code) is reused as it is.
+code) is reused as it is, and what interrupted work left inside it is swept.
 
 The manifest is an ingest manifest (`"stage": "ingest"`), so the tokenizer and encode stages
 read this output through `read_upstream(path, "ingest")` exactly as they read an ingest output.
@@ -35,24 +35,15 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common import schema
-from tasks.common.io import (
-    code_version,
-    fingerprint,
-    public_dump,
-    read_ipc_stream,
-    safe_join,
-    write_json_atomic,
-)
+from tasks.common.io import public_dump, read_ipc_stream, safe_join
 from tasks.common.stage import (
     StageInputError,
     StageResult,
-    commit_dir,
     file_entry,
     files_complete,
+    plan_output,
     read_upstream,
-    remove_stale_temps,
     shards_of,
-    temp_dir_beside,
 )
 from tasks.decontaminate.decontaminate import (
     CONTAMINATED_BY,
@@ -119,34 +110,28 @@ def run_decontaminate(cfg: DecontaminateConfig, ingest_dir: Path, workspace: Pat
     if not cfg.tasks:
         raise ValueError("decontaminate.enabled is true but decontaminate.tasks lists no task")
     _check_upstream(ingest_dir, ingest)
-    config = public_dump(cfg)
-    code = code_version("tasks")
     inputs = {"ingest": ingest["fingerprint"], "eval_tasks": eval_inputs(cfg)}
-    fp = fingerprint({"inputs": inputs, "config": config, "code": code["source_hash"]})
-    out = workspace / STAGE / fp
-    done = complete_output(out)
+    out = plan_output(STAGE, inputs, public_dump(cfg), workspace=workspace)
+    done = out.reuse(complete_output)
     if done is not None:
-        return StageResult(out, done, reused=True)
+        return StageResult(out.path, done, reused=True)
     ngrams = _load_ngrams(cfg)
-    remove_stale_temps(out)
-    tmp = temp_dir_beside(out)
+    tmp = out.open_temp_dir()
     filtered = filter_shards(ingest_dir, ingest, tmp, ngrams, cfg.n)
     manifest = {
         **{k: v for k, v in ingest.items() if k not in ("dedup_index", "incremental_key")},
-        "fingerprint": fp,
-        "code": code,
+        "fingerprint": out.fingerprint,
+        "code": out.code,
         "decontaminated_from": ingest["fingerprint"],
         "decontamination": filtered.report.model_dump(),
-        "decontamination_config": config,
+        "decontamination_config": out.config,
         "decontamination_inputs": inputs,
         **_outputs(ingest_dir, ingest, tmp, filtered),
     }
     manifest["metrics"] = ingest_metrics(manifest) | decontamination_metrics(
         filtered.report, time.monotonic() - started
     )
-    write_json_atomic(tmp / "manifest.json", manifest)
-    commit_dir(tmp, out)
-    return StageResult(out, manifest, reused=False)
+    return out.commit(manifest, built_in=tmp)
 
 
 def _check_upstream(ingest_dir: Path, ingest: dict[str, Any]) -> None:

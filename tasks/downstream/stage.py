@@ -12,6 +12,7 @@ pyarrow only, so that `training/` can do the same through `tasks.common.io` (see
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,22 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.common.io import (
     DOWNSTREAM_STAGE,
-    code_version,
-    fingerprint,
     public_dump,
     read_downstream_dir,
     sha256_file,
     write_ipc_stream,
-    write_json_atomic,
 )
 from tasks.common.schema import SCHEMA_VERSION
-from tasks.common.stage import (
-    commit_dir,
-    file_entry,
-    files_complete,
-    remove_stale_temps,
-    temp_dir_beside,
-)
+from tasks.common.stage import file_entry, files_complete, plan_output
 from tasks.downstream.config import DatasetConfig
 from tasks.downstream.downstream import DownstreamData, SplitCounts, load_downstream, source_paths
 
@@ -119,19 +111,15 @@ def _write(data: DownstreamData, tmp: Path) -> dict[str, SplitEntry]:
 
 def prepare(cfg: DatasetConfig, base_dir: Path, out_dir: Path) -> tuple[DownstreamManifest, bool]:
     """Prepare `cfg` into `out_dir`, or reuse a complete output; return (manifest, reused)."""
-    inputs = input_hashes(cfg, base_dir)
-    config = public_dump(cfg)
-    code = code_version("tasks")
-    fp = fingerprint({"inputs": inputs, "config": config, "code": code["source_hash"]})
-    done = _complete(out_dir, fp)
+    out = plan_output(STAGE, input_hashes(cfg, base_dir), public_dump(cfg), path=out_dir)
+    done = out.reuse(partial(_complete, fp=out.fingerprint))
     if done is not None:
         return done, True
     data = load_downstream(cfg, base_dir)
-    remove_stale_temps(out_dir)
-    tmp = temp_dir_beside(out_dir)
+    tmp = out.open_temp_dir()
     manifest = DownstreamManifest(
         schema_version=SCHEMA_VERSION,
-        fingerprint=fp,
+        fingerprint=out.fingerprint,
         path=str(out_dir),
         name=data.name,
         task_type=data.task_type,
@@ -139,12 +127,11 @@ def prepare(cfg: DatasetConfig, base_dir: Path, out_dir: Path) -> tuple[Downstre
         labels=list(data.labels),
         splits=_write(data, tmp),
         unassigned=data.unassigned,
-        inputs=inputs,
-        config=config,
-        code=code,
+        inputs=out.inputs,
+        config=out.config,
+        code=out.code,
     )
-    write_json_atomic(tmp / "manifest.json", manifest.model_dump(mode="json"))
-    commit_dir(tmp, out_dir)
+    out.commit(manifest.model_dump(mode="json"), built_in=tmp)
     return manifest, False
 
 

@@ -19,24 +19,15 @@ from prefect.cache_policies import NO_CACHE
 from tokenizers import Tokenizer
 
 from tasks.common import schema
-from tasks.common.io import (
-    atomic_writer,
-    code_version,
-    fingerprint,
-    public_dump,
-    safe_join,
-    write_json_atomic,
-)
+from tasks.common.io import atomic_writer, public_dump, safe_join
 from tasks.common.progress import Reporter, make_reporter, ticker
 from tasks.common.ray_runtime import RayConfig, ensure_ray, map_bounded
 from tasks.common.stage import (
     StageResult,
     complete_sharded,
-    manifest_header,
-    open_staging,
+    plan_output,
     read_upstream,
     shards_of,
-    sweep_leftovers,
     verify_shards,
 )
 from tasks.encode.encode import (
@@ -68,67 +59,40 @@ def run_encode(
     started = time.monotonic()
     ingest = read_upstream(ingest_dir, "ingest")
     tokenizer = read_upstream(tokenizer_dir, "tokenizer")
-    config = public_dump(cfg)
-    code = code_version("tasks")
     inputs = {"ingest": ingest["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
-    fp = fingerprint({"inputs": inputs, "config": config, "code": code["source_hash"]})
-    out = workspace / STAGE / fp
-    done = complete_sharded(out)
+    out = plan_output(STAGE, inputs, public_dump(cfg), workspace=workspace)
+    done = out.reuse(complete_sharded)
     if done is not None:
-        sweep_leftovers(out)
-        return StageResult(out, done, reused=True)
+        return StageResult(out.path, done, reused=True)
     verify_shards(ingest_dir, [s for _, s in shards_of(ingest)], "ingest")
-    staging = open_staging(out)
+    staging = out.open_staging()
     tok_file = tokenizer_dir / "tokenizer.json"
     tok = Tokenizer.from_file(str(tok_file))
     ids = id_type(tok.get_vocab_size(with_added_tokens=True), cfg)
     unk_id = unknown_id(tok)
-    parts = [
-        (split, shard, start, min(start + cfg.shard_documents, shard["rows"]), k)
-        for split, shard in shards_of(ingest)
-        for k, start in enumerate(range(0, max(shard["rows"], 1), cfg.shard_documents))
-    ]
-    jobs = []
-    for _, shard, start, stop, k in parts:
-        name = f"{shard['name'].removesuffix('.arrow')}-p{k:04d}.arrow"
-        jobs.append(
-            EncodeJob(
-                src=str(safe_join(ingest_dir, shard["name"], what="ingest shard")),
-                start=start,
-                stop=stop,
-                dst=str(safe_join(out, name, what="token shard")),
-                stats=str(staging / f"{name}.json"),
-                tokenizer=str(tok_file),
-                ids=str(ids),
-                unk_id=unk_id,
-                cfg=cfg,
-            )
+    parts = encode_parts(ingest, cfg.shard_documents)
+    jobs = [
+        EncodeJob(
+            src=str(safe_join(ingest_dir, shard["name"], what="ingest shard")),
+            start=start,
+            stop=stop,
+            dst=str(safe_join(out.path, name, what="token shard")),
+            stats=str(staging / f"{name}.json"),
+            tokenizer=str(tok_file),
+            ids=str(ids),
+            unk_id=unk_id,
+            cfg=cfg,
         )
+        for _, shard, start, stop, name in parts
+    ]
     ensure_ray(ray_cfg)
     tick = ticker(progress, "encode", len(jobs))
     sizes = [job.stop - job.start for job in jobs]
     results = map_bounded(encode_shard, jobs, ray_cfg.num_workers, on_done=tick, sizes=sizes)
-    splits: dict[str, Any] = {
-        name: {"rows": 0, "tokens": 0, "shards": []} for name in ingest["splits"]
-    }
-    total: dict[str, Any] = {}
-    for (split, shard, start, stop, _), job, stats in zip(parts, jobs, results, strict=True):
-        splits[split]["shards"].append(
-            {
-                "name": Path(job.dst).name,
-                "rows": stats["documents"],
-                "tokens": stats["tokens"],
-                "bytes": stats["bytes"],
-                "sha256": stats["sha256"],
-                "source": {"shard": shard["name"], "start": start, "stop": stop},
-            }
-        )
-        splits[split]["rows"] += stats["documents"]
-        splits[split]["tokens"] += stats["tokens"]
-        total = merge_stats(total, {k: v for k, v in stats.items() if k not in ("bytes", "sha256")})
-    plot_histogram(total, out / HISTOGRAM_PNG)
+    splits, total = split_entries(list(ingest["splits"]), parts, results)
+    plot_histogram(total, out.path / HISTOGRAM_PNG)
     manifest = {
-        **manifest_header(STAGE, fp, config, code, inputs),
+        **out.header(),
         "ingest": {"fingerprint": ingest["fingerprint"], "path": str(ingest_dir)},
         "tokenizer": {"fingerprint": tokenizer["fingerprint"], "path": str(tokenizer_dir)},
         "schema": [str(f) for f in schema.tokens_schema(ids)],
@@ -139,9 +103,51 @@ def run_encode(
         "artifacts": [HISTOGRAM_PNG],
         "metrics": summary_metrics(total) | {"elapsed_s": round(time.monotonic() - started, 3)},
     }
-    write_json_atomic(out / "manifest.json", manifest)
-    sweep_leftovers(out)
-    return StageResult(out, manifest, reused=False)
+    return out.commit(manifest)
+
+
+#: One token shard to write: (split, ingest shard entry, first row, stop row, shard name).
+Part = tuple[str, dict[str, Any], int, int, str]
+
+
+def encode_parts(ingest: dict[str, Any], shard_documents: int) -> list[Part]:
+    """Cut every ingest shard into parts of `shard_documents` documents, one token shard each.
+
+    A part is named after its ingest shard and its number: `train-g0-00000-p0000.arrow`. An
+    empty ingest shard still gets one (empty) part.
+    """
+    return [
+        (split, shard, start, min(start + shard_documents, shard["rows"]), _part_name(shard, k))
+        for split, shard in shards_of(ingest)
+        for k, start in enumerate(range(0, max(shard["rows"], 1), shard_documents))
+    ]
+
+
+def _part_name(shard: dict[str, Any], k: int) -> str:
+    return f"{shard['name'].removesuffix('.arrow')}-p{k:04d}.arrow"
+
+
+def split_entries(
+    names: list[str], parts: list[Part], results: list[dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest's `splits` (rows, tokens, shard entries) and the statistics summed over all."""
+    splits: dict[str, Any] = {name: {"rows": 0, "tokens": 0, "shards": []} for name in names}
+    total: dict[str, Any] = {}
+    for (split, shard, start, stop, name), stats in zip(parts, results, strict=True):
+        splits[split]["shards"].append(
+            {
+                "name": name,
+                "rows": stats["documents"],
+                "tokens": stats["tokens"],
+                "bytes": stats["bytes"],
+                "sha256": stats["sha256"],
+                "source": {"shard": shard["name"], "start": start, "stop": stop},
+            }
+        )
+        splits[split]["rows"] += stats["documents"]
+        splits[split]["tokens"] += stats["tokens"]
+        total = merge_stats(total, {k: v for k, v in stats.items() if k not in ("bytes", "sha256")})
+    return splits, total
 
 
 def summary_metrics(total: dict[str, Any]) -> dict[str, float]:

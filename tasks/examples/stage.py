@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,6 @@ from tokenizers import Tokenizer
 
 from tasks.common import schema
 from tasks.common.io import (
-    code_version,
-    fingerprint,
     public_dump,
     read_ipc_stream,
     safe_join,
@@ -34,81 +32,24 @@ from tasks.common.io import (
 )
 from tasks.common.progress import Reporter, make_reporter, ticker
 from tasks.common.ray_runtime import RayConfig, ensure_ray, map_bounded
-from tasks.common.schema import ObjectiveMismatchError
 from tasks.common.stage import (
     StageResult,
     complete_sharded,
-    manifest_header,
-    open_staging,
+    plan_output,
     read_upstream,
     shards_of,
-    sweep_leftovers,
     verify_shards,
 )
-from tasks.examples.examples import (
-    EncodedDocs,
-    ExamplesConfig,
-    ShardContext,
-    Specials,
-    cut_examples,
-    encoded_docs,
-    t5_raw_length,
-)
-from tasks.examples.objectives import word_start_table
-from tasks.tokenizer.tokenizer import TokenizerConfig, roles
+from tasks.examples.config import ExamplesConfig
+from tasks.examples.cutting import t5_raw_length
+from tasks.examples.documents import EncodedDocs, encoded_docs
+from tasks.examples.examples import ShardContext, cut_examples
+from tasks.examples.objectives.masking import word_start_table
+from tasks.examples.specials import Specials, objective_specials
+from tasks.tokenizer.tokenizer import TokenizerConfig
 
 STAGE = "examples"
 SPLITS = ("train", "validation")
-_NEEDS = {
-    "bert": ("cls", "sep", "mask"),
-    "sop": ("cls", "sep", "mask"),
-    "roberta": ("cls", "sep", "mask"),
-    "causal": ("eos",),
-    "span_corruption": ("eos",),
-    "denoising": ("cls", "eos", "mask", "pad"),  # <s>, </s> (also the decoder start), mask, pad
-}
-_USE = {
-    "span_corruption": "tokenizer.family=unigram",
-    "denoising": "tokenizer.family=bpe with tokenizer.bpe_style=roberta, or "
-    "tokenizer.family=wordpiece",
-}
-
-
-def objective_specials(
-    objective: str, tok_cfg: TokenizerConfig, ids: dict[str, int], vocab_size: int
-) -> Specials:
-    """Map the tokenizer's special tokens to the roles `objective` needs, or refuse the pair.
-
-    Raises:
-        ObjectiveMismatchError: a needed role has no token in this tokenizer family.
-    """
-    role = {name: ids.get(token) for name, token in roles(tok_cfg).items()}
-    if tok_cfg.family == "wordpiece":
-        role["eos"] = ids.get("[SEP]")  # a document separator for causal blocks
-    missing = [name for name in _NEEDS[objective] if role.get(name) is None]
-    sentinel_top = ids.get("<extra_id_0>")
-    if objective == "span_corruption" and sentinel_top is None:
-        missing.append("sentinels <extra_id_0>...")
-    if missing:
-        raise ObjectiveMismatchError(
-            f"examples.objective={objective} needs {missing}, which a {tok_cfg.family} "
-            f"tokenizer ({tok_cfg.bpe_style if tok_cfg.family == 'bpe' else 'default'} style) "
-            "does not have; use " + _USE.get(objective, "wordpiece")
-        )
-    pad = role.get("pad")
-    if pad is None:
-        pad = role["eos"]  # GPT-2 has no padding token; blocks are full anyway
-    assert pad is not None
-    return Specials(
-        cls=role.get("cls"),
-        sep=role.get("sep"),
-        pad=pad,
-        mask=role.get("mask"),
-        eos=role.get("eos"),
-        sentinel_top=sentinel_top,
-        vocab_size=vocab_size,
-        special_ids=frozenset(ids.values()),
-    )
 
 
 @dataclass(frozen=True)
@@ -182,56 +123,105 @@ def run_examples(
     specials = objective_specials(
         cfg.objective, tok_cfg, tokenizer["special_tokens"], encode["vocab_size"]
     )
-    config = public_dump(cfg)
-    code = code_version("tasks")
     inputs = {"encode": encode["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
-    fp = fingerprint(
-        {"inputs": inputs, "config": config, "seed": seed, "code": code["source_hash"]}
-    )
-    out = workspace / STAGE / fp
-    done = complete_sharded(out)
+    out = plan_output(STAGE, inputs, public_dump(cfg), workspace=workspace, seed=seed)
+    done = out.reuse(complete_sharded)
     if done is not None:
-        sweep_leftovers(out)
-        return StageResult(out, done, reused=True)
+        return StageResult(out.path, done, reused=True)
     used = [s for split in SPLITS for _, s in shards_of(encode, split)]
     verify_shards(encode_dir, used, "encode")
-    staging = open_staging(out)
+    staging = out.open_staging()
     ids_type = pa.uint16() if encode["dtype"] == "uint16" else pa.uint32()
-    # Only static masking and BART's infilling draw random tokens or need word starts; the
-    # other objectives skip the vocabulary scan and ship no lookups with their jobs.
-    words: np.ndarray | None = None
-    random_ids = np.empty(0, np.int64)
-    static_mlm = cfg.masking == "static" and cfg.objective in ("bert", "sop", "roberta")
-    if static_mlm or cfg.objective == "denoising":
-        tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-        size = tok.get_vocab_size(with_added_tokens=True)
-        vocab = [tok.id_to_token(i) or "" for i in range(size)]
-        if cfg.mask.whole_word:
-            words = word_start_table(vocab, tok_cfg.family, set(specials.special_ids))
-        random_ids = np.setdiff1d(np.arange(size), np.fromiter(specials.special_ids, np.int64))
+    words, random_ids = vocabulary_lookups(cfg, tokenizer_dir, tok_cfg, specials)
+    first = ShardContext(seed, 0, 0, specials, ids_type, words, random_ids)
+    jobs, where, sizes = example_jobs(cfg, first, encode, encode_dir, out.path, staging)
+    ensure_ray(ray_cfg)
+    tick = ticker(progress, "examples", len(jobs))
+    results = map_bounded(examples_shard, jobs, ray_cfg.num_workers, on_done=tick, sizes=sizes)
+    splits = split_entries(cfg, where, results)
+    manifest = {
+        **out.header(),
+        "objective": cfg.objective,
+        "sequence_length": cfg.sequence_length,
+        "seed": seed,
+        "encode": {"fingerprint": encode["fingerprint"], "path": str(encode_dir)},
+        "tokenizer": {"fingerprint": tokenizer["fingerprint"], "path": str(tokenizer_dir)},
+        "specials": {k: v for k, v in vars(specials).items() if k != "special_ids"} if jobs else {},
+        "schema": [str(f) for f in output_schema(cfg, ids_type)],
+        "splits": splits,
+        "metrics": {
+            **{f"train_{k}": v for k, v in splits["train"]["realised"].items()},
+            **{f"validation_{k}": v for k, v in splits["validation"]["realised"].items()},
+            "elapsed_s": round(time.monotonic() - started, 3),
+        },
+    }
+    return out.commit(manifest)
+
+
+def example_jobs(
+    cfg: ExamplesConfig,
+    first: ShardContext,
+    encode: dict[str, Any],
+    encode_dir: Path,
+    out_dir: Path,
+    staging: Path,
+) -> tuple[list[ExamplesJob], list[tuple[str, str]], list[int]]:
+    """One job per encode shard of `SPLITS`, its (split, shard name), and its size in tokens.
+
+    Each job's context is `first` with the shard's number in its split and the number of its
+    first document.
+    """
     jobs, where, sizes = [], [], []
     for split in SPLITS:
         entries = encode["splits"][split]["shards"]
         split_shards = tuple((str(safe_join(encode_dir, e["name"])), e["rows"]) for e in entries)
         base = 0
         for number, entry in enumerate(entries):
-            ctx = ShardContext(seed, number, base, specials, ids_type, words, random_ids)
             jobs.append(
                 ExamplesJob(
                     src=str(safe_join(encode_dir, entry["name"], what="encode shard")),
-                    dst=str(safe_join(out, entry["name"], what="example shard")),
+                    dst=str(safe_join(out_dir, entry["name"], what="example shard")),
                     stats=str(staging / f"{entry['name']}.json"),
                     cfg=cfg,
-                    ctx=ctx,
+                    ctx=replace(first, shard=number, doc_base=base),
                     split_shards=split_shards,
                 )
             )
             where.append((split, entry["name"]))
             sizes.append(entry["tokens"])
             base += entry["rows"]
-    ensure_ray(ray_cfg)
-    tick = ticker(progress, "examples", len(jobs))
-    results = map_bounded(examples_shard, jobs, ray_cfg.num_workers, on_done=tick, sizes=sizes)
+    return jobs, where, sizes
+
+
+def _static_mlm(cfg: ExamplesConfig) -> bool:
+    """Whether the masks are written into the shards (static masking of an MLM objective)."""
+    return cfg.masking == "static" and cfg.objective in ("bert", "sop", "roberta")
+
+
+def vocabulary_lookups(
+    cfg: ExamplesConfig, tokenizer_dir: Path, tok_cfg: TokenizerConfig, specials: Specials
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """The word-start table (whole-word masking) and the ids a random replacement draws from.
+
+    Only static masking and BART's infilling draw random tokens or need word starts; the
+    other objectives skip the vocabulary scan and ship no lookups with their jobs.
+    """
+    words: np.ndarray | None = None
+    random_ids = np.empty(0, np.int64)
+    if _static_mlm(cfg) or cfg.objective == "denoising":
+        tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        size = tok.get_vocab_size(with_added_tokens=True)
+        vocab = [tok.id_to_token(i) or "" for i in range(size)]
+        if cfg.mask.whole_word:
+            words = word_start_table(vocab, tok_cfg.family, set(specials.special_ids))
+        random_ids = np.setdiff1d(np.arange(size), np.fromiter(specials.special_ids, np.int64))
+    return words, random_ids
+
+
+def split_entries(
+    cfg: ExamplesConfig, where: list[tuple[str, str]], results: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The manifest's `splits`: each split's rows, shard entries, summed counts and statistics."""
     splits: dict[str, Any] = {s: {"rows": 0, "shards": [], "counts": {}} for s in SPLITS}
     for (split, name), stats in zip(where, results, strict=True):
         entry = {k: stats[k] for k in ("rows", "bytes", "sha256")}
@@ -243,37 +233,19 @@ def run_examples(
                 counts[key] = counts.get(key, 0) + value
     for entry in splits.values():
         entry["realised"] = realised(cfg, entry["counts"])
-    first = jobs[0].ctx if jobs else None
-    length = cfg.sequence_length
+    return splits
+
+
+def output_schema(cfg: ExamplesConfig, ids_type: pa.DataType) -> pa.Schema:
+    """The schema of the example shards `cfg` makes, with token ids of `ids_type`."""
     targets = t5_raw_length(cfg)[1] if cfg.objective == "span_corruption" else 0
-    out_schema = schema.examples_schema(
+    return schema.examples_schema(
         cfg.objective,
-        length,
+        cfg.sequence_length,
         ids_type,
-        labels=static_mlm or cfg.objective == "denoising",
+        labels=_static_mlm(cfg) or cfg.objective == "denoising",
         targets_length=targets,
     )
-    manifest = {
-        **manifest_header(STAGE, fp, config, code, inputs),
-        "objective": cfg.objective,
-        "sequence_length": length,
-        "seed": seed,
-        "encode": {"fingerprint": encode["fingerprint"], "path": str(encode_dir)},
-        "tokenizer": {"fingerprint": tokenizer["fingerprint"], "path": str(tokenizer_dir)},
-        "specials": {k: v for k, v in vars(first.specials).items() if k != "special_ids"}
-        if first
-        else {},
-        "schema": [str(f) for f in out_schema],
-        "splits": splits,
-        "metrics": {
-            **{f"train_{k}": v for k, v in splits["train"]["realised"].items()},
-            **{f"validation_{k}": v for k, v in splits["validation"]["realised"].items()},
-            "elapsed_s": round(time.monotonic() - started, 3),
-        },
-    }
-    write_json_atomic(out / "manifest.json", manifest)
-    sweep_leftovers(out)
-    return StageResult(out, manifest, reused=False)
 
 
 def realised(cfg: ExamplesConfig, counts: dict[str, int]) -> dict[str, float]:

@@ -185,6 +185,23 @@ class _Oversize:
     excerpt: bytes
 
 
+@dataclass
+class _Cursor:
+    """Where `_read_delimited` is: the bytes carried to the next block and their position.
+
+    `base` is the absolute offset of `buf[0]`; `line` the line number at `buf[0]`; `big` the
+    oversize record being skipped, if any.
+    """
+
+    sep: re.Pattern[bytes] | None
+    limit: int
+    json_field: str | None
+    buf: bytes
+    base: int
+    line: int = 1
+    big: _Oversize | None = None
+
+
 def _read_delimited(
     stream: IO[bytes],
     unit: WorkUnit,
@@ -194,12 +211,11 @@ def _read_delimited(
 ) -> Iterator[RawBatch]:
     """Split a byte stream into records at `sep` (None: the whole unit is one record).
 
-    `base` is the absolute offset of `buf[0]`; `line` the line number at `buf[0]`. A record
-    longer than `limit` is skipped to its end, keeping only its start and a small tail.
+    A record longer than `limit` is skipped to its end, keeping only its start and a small tail.
     """
     remaining = unit.end - unit.start if unit.end >= 0 else -1
-    buf, base, line, total = b"", unit.start, 1, 0
-    big: _Oversize | None = None
+    cur = _Cursor(sep, limit, json_field, b"", unit.start)
+    total = 0
     while True:
         batch = RawBatch()
         want = _BLOCK if remaining < 0 else min(_BLOCK, remaining - total)
@@ -210,49 +226,87 @@ def _read_delimited(
             batch.add_bad(0, None, "empty_file", "the file has no bytes", b"")
             yield batch
             return
-        data, pos = buf + chunk, 0
-        if big is not None:  # skip an oversize record up to its end
-            match = sep.search(data) if sep else None
-            if match is None and not eof:
-                keep = max(len(data) - 4096, 0)
-                big.size += keep
-                line += data.count(b"\n", 0, keep)
-                base, buf = base + keep, data[keep:]
-                batch.next_line = line
+        data, pos = cur.buf + chunk, 0
+        if cur.big is not None:
+            after = _skip_oversize(cur, cur.big, batch, data, eof)
+            if after is None:  # the oversize record goes on past this block
+                batch.next_line = cur.line
                 yield batch
                 continue
-            stop, pos = (match.start(), match.end()) if match else (len(data), len(data))
-            detail = f"record of {big.size + stop} bytes exceeds max_record_bytes={limit}"
-            batch.add_bad(big.offset, big.line, "record_too_large", detail, big.excerpt)
-            line += data.count(b"\n", 0, pos)
-            big = None
-        if sep is not None and sep.pattern == rb"\n":
-            pos, line = _emit_lines(batch, data, pos, eof, base, line, json_field, limit)
-        elif sep is not None:
-            for match in sep.finditer(data, pos):
-                if not eof and match.end() == len(data):
-                    break  # the separator may continue in the next block
-                emit_bounded(batch, data[pos : match.start()], base + pos, line, json_field, limit)
-                line += data.count(b"\n", pos, match.end())
-                pos = match.end()
+            pos = after
+        pos = _split_records(cur, batch, data, pos, eof)
         rest = data[pos:]
         if eof:
-            if error is None:
-                emit_bounded(batch, rest, base + pos, line, json_field, limit)
-            else:  # the partial record at the break, and the fact of the break, are kept
-                reason = (
-                    "truncated_compressed" if isinstance(error, EOFError) else "corrupt_compressed"
-                )
-                batch.add_bad(base + pos, line, reason, f"{type(error).__name__}: {error}", rest)
-            batch.next_line = line
+            _end_unit(cur, batch, pos, rest, error)
             yield batch
             return
-        if len(rest) > limit:
-            keep = len(rest) - 4096
-            big = _Oversize(base + pos, line, keep, rest[:EXCERPT])
-            line += rest.count(b"\n", 0, keep)
-            base, buf = base + pos + keep, rest[keep:]
-        else:
-            base, buf = base + pos, rest
-        batch.next_line = line
+        _carry(cur, pos, rest)
+        batch.next_line = cur.line
         yield batch
+
+
+def _skip_oversize(
+    cur: _Cursor, big: _Oversize, batch: RawBatch, data: bytes, eof: bool
+) -> int | None:
+    """Skip the oversize record `big` up to its end; record it once that end is in `data`.
+
+    Returns the position in `data` after the record, or None when it continues past `data`
+    (the cursor then keeps only the block's tail, where its separator may begin).
+    """
+    match = cur.sep.search(data) if cur.sep else None
+    if match is None and not eof:
+        keep = max(len(data) - 4096, 0)
+        big.size += keep
+        cur.line += data.count(b"\n", 0, keep)
+        cur.base, cur.buf = cur.base + keep, data[keep:]
+        return None
+    stop, pos = (match.start(), match.end()) if match else (len(data), len(data))
+    detail = f"record of {big.size + stop} bytes exceeds max_record_bytes={cur.limit}"
+    batch.add_bad(big.offset, big.line, "record_too_large", detail, big.excerpt)
+    cur.line += data.count(b"\n", 0, pos)
+    cur.big = None
+    return pos
+
+
+def _split_records(cur: _Cursor, batch: RawBatch, data: bytes, pos: int, eof: bool) -> int:
+    """Emit the records of `data` from `pos` that end at a separator; return where the rest is.
+
+    Before the end of the unit, a separator at the very end of `data` may continue in the next
+    block, so the record before it waits.
+    """
+    sep, base, line = cur.sep, cur.base, cur.line
+    if sep is not None and sep.pattern == rb"\n":
+        pos, line = _emit_lines(batch, data, pos, eof, base, line, cur.json_field, cur.limit)
+    elif sep is not None:
+        for match in sep.finditer(data, pos):
+            if not eof and match.end() == len(data):
+                break  # the separator may continue in the next block
+            record = data[pos : match.start()]
+            emit_bounded(batch, record, base + pos, line, cur.json_field, cur.limit)
+            line += data.count(b"\n", pos, match.end())
+            pos = match.end()
+    cur.line = line
+    return pos
+
+
+def _end_unit(
+    cur: _Cursor, batch: RawBatch, pos: int, rest: bytes, error: BaseException | None
+) -> None:
+    """Emit the unit's last record; after a read error, keep it and the break as bad records."""
+    if error is None:
+        emit_bounded(batch, rest, cur.base + pos, cur.line, cur.json_field, cur.limit)
+    else:  # the partial record at the break, and the fact of the break, are kept
+        reason = "truncated_compressed" if isinstance(error, EOFError) else "corrupt_compressed"
+        batch.add_bad(cur.base + pos, cur.line, reason, f"{type(error).__name__}: {error}", rest)
+    batch.next_line = cur.line
+
+
+def _carry(cur: _Cursor, pos: int, rest: bytes) -> None:
+    """Carry the unfinished record to the next block; skip one already over the limit."""
+    if len(rest) > cur.limit:
+        keep = len(rest) - 4096
+        cur.big = _Oversize(cur.base + pos, cur.line, keep, rest[:EXCERPT])
+        cur.line += rest.count(b"\n", 0, keep)
+        cur.base, cur.buf = cur.base + pos + keep, rest[keep:]
+    else:
+        cur.base, cur.buf = cur.base + pos, rest

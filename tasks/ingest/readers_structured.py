@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -38,72 +39,103 @@ def _drain(stream: Any, batch: RawBatch, index: int, tail: str | None = None) ->
         batch.add_bad(index, None, "malformed_json", "data after the top-level array", extra)
 
 
+@dataclass
+class _JsonArray:
+    """Where `read_json_array` is: the decoded text not yet parsed, the next element's index."""
+
+    stream: Any
+    key: str
+    limit: int
+    decoder: json.JSONDecoder = field(default_factory=json.JSONDecoder)
+    buf: str = ""
+    index: int = 0
+
+
 def read_json_array(
     unit: WorkUnit, key: str, limit: int, opts: dict[str, str]
 ) -> Iterator[RawBatch]:
     """Stream the elements of a top-level JSON array; `offset` is the element index."""
     # utf-8-sig: a leading BOM is not part of the array (else the whole file is quarantined).
-    decoder, text_decoder = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8-sig")()
-    buf, index, started = "", 0, False
+    text_decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    started = False
     with open_stream(unit.file, opts) as stream:
+        arr = _JsonArray(stream, key, limit)
         while True:
             batch = RawBatch()
             try:
                 chunk = stream.read(_BLOCK)
-                buf += text_decoder.decode(chunk, final=not chunk)
+                arr.buf += text_decoder.decode(chunk, final=not chunk)
             except (UnicodeDecodeError, *DECOMPRESS_ERRORS) as exc:
-                reason = (
-                    "invalid_utf8"
-                    if isinstance(exc, UnicodeDecodeError)
-                    else "truncated_compressed"
-                )
-                batch.add_bad(index, None, reason, str(exc), buf.encode()[:EXCERPT])
-                if reason == "invalid_utf8":  # the stream itself may break further on
-                    _drain(stream, batch, index + 1)
+                _read_failed(arr, batch, exc)
                 yield batch
                 return
             pos = 0
             if not started:
-                stripped = buf.lstrip()
+                stripped = arr.buf.lstrip()
                 if not stripped and chunk:
                     continue
                 if not stripped.startswith("["):
-                    detail = (
-                        "expected a top-level JSON array" if stripped else "the file has no bytes"
-                    )
-                    reason = "malformed_json" if stripped else "empty_file"
-                    batch.add_bad(0, None, reason, detail, stripped[:EXCERPT].encode())
-                    _drain(stream, batch, 1)
+                    _not_an_array(stream, batch, stripped)
                     yield batch
                     return
-                started, pos = True, len(buf) - len(stripped) + 1
-            while True:
-                while pos < len(buf) and buf[pos] in " \t\r\n,":
-                    pos += 1
-                if pos < len(buf) and buf[pos] == "]":
-                    _drain(stream, batch, index, tail=buf[pos + 1 :])
-                    yield batch
-                    return
-                try:
-                    obj, end = decoder.raw_decode(buf, pos)
-                # ValueError: an integer over Python's 4300-digit limit; RecursionError: deep
-                # nesting. Both are bad elements, not reader crashes.
-                except (ValueError, RecursionError) as exc:
-                    if chunk and len(buf) - pos <= limit:
-                        break  # the element continues in the next block
-                    batch.add_bad(
-                        index, None, "malformed_json", str(exc), buf[pos : pos + EXCERPT].encode()
-                    )
-                    _drain(stream, batch, index + 1)
-                    yield batch
-                    return
-                excerpt = buf[pos:end].encode()[:EXCERPT]
-                emit_value(batch, obj, excerpt, index, None, key, check_surrogates=True)
-                index, pos = index + 1, end
-            buf = buf[pos:]
+                started, pos = True, len(arr.buf) - len(stripped) + 1
+            rest = _decode_elements(arr, batch, pos, more=bool(chunk))
+            if rest is None:  # the array ended, or a bad element stopped the reader
+                yield batch
+                return
+            arr.buf = arr.buf[rest:]
             yield batch
             if not chunk:
                 return
+
+
+def _read_failed(arr: _JsonArray, batch: RawBatch, exc: Exception) -> None:
+    """Quarantine what is left of the text after bad UTF-8 or broken compression."""
+    reason = "invalid_utf8" if isinstance(exc, UnicodeDecodeError) else "truncated_compressed"
+    batch.add_bad(arr.index, None, reason, str(exc), arr.buf.encode()[:EXCERPT])
+    if reason == "invalid_utf8":  # the stream itself may break further on
+        _drain(arr.stream, batch, arr.index + 1)
+
+
+def _not_an_array(stream: Any, batch: RawBatch, stripped: str) -> None:
+    """Quarantine a file that is empty or does not start with `[`, then drain it."""
+    detail = "expected a top-level JSON array" if stripped else "the file has no bytes"
+    reason = "malformed_json" if stripped else "empty_file"
+    batch.add_bad(0, None, reason, detail, stripped[:EXCERPT].encode())
+    _drain(stream, batch, 1)
+
+
+def _decode_elements(arr: _JsonArray, batch: RawBatch, pos: int, more: bool) -> int | None:
+    """Emit the complete elements of `arr.buf` from `pos`; return where the unparsed rest starts.
+
+    An element that may continue in the next block (`more`) waits for it, up to `arr.limit`
+    characters. Returns None when the array ended at its `]` or a malformed element stopped
+    the reader (the stream is drained in both cases).
+    """
+    buf, index = arr.buf, arr.index
+    try:
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                _drain(arr.stream, batch, index, tail=buf[pos + 1 :])
+                return None
+            try:
+                obj, end = arr.decoder.raw_decode(buf, pos)
+            # ValueError: an integer over Python's 4300-digit limit; RecursionError: deep
+            # nesting. Both are bad elements, not reader crashes.
+            except (ValueError, RecursionError) as exc:
+                if more and len(buf) - pos <= arr.limit:
+                    return pos  # the element continues in the next block
+                excerpt = buf[pos : pos + EXCERPT].encode()
+                batch.add_bad(index, None, "malformed_json", str(exc), excerpt)
+                _drain(arr.stream, batch, index + 1)
+                return None
+            excerpt = buf[pos:end].encode()[:EXCERPT]
+            emit_value(batch, obj, excerpt, index, None, arr.key, check_surrogates=True)
+            index, pos = index + 1, end
+    finally:
+        arr.index = index
 
 
 def read_table(unit: WorkUnit, key: str, opts: dict[str, str]) -> Iterator[RawBatch]:

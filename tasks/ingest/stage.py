@@ -22,16 +22,14 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.common import schema
 from tasks.common.io import (
-    code_version,
     fingerprint,
     public_dump,
     read_ipc_stream,
     safe_join,
-    write_json_atomic,
 )
 from tasks.common.progress import make_reporter, ticker
 from tasks.common.ray_runtime import RayConfig, ensure_ray, map_bounded
-from tasks.common.stage import StageResult, files_complete, sweep_leftovers
+from tasks.common.stage import StageResult, files_complete, plan_output
 from tasks.ingest.ingest import (
     IngestConfig,
     UnitJob,
@@ -103,7 +101,42 @@ def run_ingest(
     started = time.monotonic()
     resolve_splitter(cfg.sentences)  # a plug-in that cannot be imported is refused up front
     files, storage = _inputs(cfg)
-    inputs = [
+    out = plan_output(
+        STAGE, describe_inputs(cfg, files, storage), public_config(cfg), workspace=workspace
+    )
+    done = out.reuse(_complete_manifest)
+    if done is not None:
+        return StageResult(out.path, done, reused=True)
+    source_hash = str(out.code["source_hash"])
+    base = (
+        _previous(workspace, cfg, out.config, source_hash, out.inputs) if cfg.incremental else None
+    )
+    done_uris = {i["uri"] for i in base["inputs"]} if base else set()
+    new_files = [f for f in files if f.uri not in done_uris]
+    staging = out.open_staging()  # deletes the temp files of a killed run: never read as outputs
+    units = _plan(new_files, cfg, max(int(cfg.unit_size_mb * (1 << 20)), 1), storage)
+    summaries = _read_units(units, cfg, ray_cfg, staging, storage, progress)
+    manifest = {
+        "stage": STAGE,
+        "schema_version": schema.SCHEMA_VERSION,
+        "fingerprint": out.fingerprint,
+        "schema": [str(f) for f in schema.DOCUMENTS],
+        "config": out.config,
+        "code": out.code,
+        "incremental_key": fingerprint({k: v for k, v in out.config.items() if k != "sources"}),
+        "inputs": out.inputs,
+        **_finish(out.path, cfg, ray_cfg, units, summaries, base, progress),
+        "elapsed_s": round(time.monotonic() - started, 3),
+    }
+    manifest["metrics"] = ingest_metrics(manifest)
+    return out.commit(manifest)
+
+
+def describe_inputs(
+    cfg: IngestConfig, files: list[InputFile], storage: dict[str, dict[str, str]]
+) -> list[dict[str, Any]]:
+    """Describe each input file for the fingerprint and the manifest, its bytes' hash included."""
+    return [
         {
             "source": f.source,
             "uri": f.uri,
@@ -116,49 +149,6 @@ def run_ingest(
         }
         for f in files
     ]
-    code = code_version("tasks")
-    source_hash = str(code["source_hash"])
-    config = public_config(cfg)
-    fp = fingerprint({"inputs": inputs, "config": config, "code": source_hash})
-    out = workspace / STAGE / fp
-    if (out / "manifest.json").exists():
-        manifest = json.loads((out / "manifest.json").read_text())
-        if _complete(out, manifest):
-            sweep_leftovers(out)
-            return StageResult(out, manifest, reused=True)
-    base = _previous(workspace, cfg, config, source_hash, inputs) if cfg.incremental else None
-    done_uris = {i["uri"] for i in base["inputs"]} if base else set()
-    new_files = [f for f in files if f.uri not in done_uris]
-    staging = out / "_staging"
-    staging.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob(".*.tmp-*"), *staging.glob(".*.tmp-*")]:
-        stale.unlink(missing_ok=True)  # temp files of a killed run; never read as outputs
-    unit_bytes = max(int(cfg.unit_size_mb * (1 << 20)), 1)
-    units = _plan(new_files, cfg, unit_bytes, storage)
-    ensure_ray(ray_cfg)
-    tick = ticker(progress, "read", len(units))
-    summaries = map_bounded(
-        process_unit,
-        [UnitJob(u, cfg, str(staging), storage[u.file.source]) for u in units],
-        ray_cfg.num_workers,
-        on_done=tick,
-    )
-    manifest = {
-        "stage": STAGE,
-        "schema_version": schema.SCHEMA_VERSION,
-        "fingerprint": fp,
-        "schema": [str(f) for f in schema.DOCUMENTS],
-        "config": config,
-        "code": code,
-        "incremental_key": fingerprint({k: v for k, v in config.items() if k != "sources"}),
-        "inputs": inputs,
-        **_finish(out, cfg, ray_cfg, units, summaries, base, progress),
-        "elapsed_s": round(time.monotonic() - started, 3),
-    }
-    manifest["metrics"] = ingest_metrics(manifest)
-    write_json_atomic(out / "manifest.json", manifest)
-    sweep_leftovers(out)
-    return StageResult(out, manifest, reused=False)
 
 
 def _plan(
@@ -172,9 +162,37 @@ def _plan(
     return units
 
 
+def _read_units(
+    units: list[WorkUnit],
+    cfg: IngestConfig,
+    ray_cfg: RayConfig,
+    staging: Path,
+    storage: dict[str, dict[str, str]],
+    progress: Progress | None,
+) -> list[dict[str, Any]]:
+    """Read every unit on Ray into `staging`; return their summaries, in unit order."""
+    ensure_ray(ray_cfg)
+    tick = ticker(progress, "read", len(units))
+    return map_bounded(
+        process_unit,
+        [UnitJob(u, cfg, str(staging), storage[u.file.source]) for u in units],
+        ray_cfg.num_workers,
+        on_done=tick,
+    )
+
+
 def _complete(out: Path, manifest: dict[str, Any]) -> bool:
     files = [s for split in manifest["splits"].values() for s in split["shards"]]
     return files_complete(out, [*files, manifest["quarantine"], manifest["dedup_index"]])
+
+
+def _complete_manifest(out: Path) -> dict[str, Any] | None:
+    """The manifest of a complete ingest output at `out` (shards, quarantine, index), else None."""
+    path = out / "manifest.json"
+    if not path.exists():
+        return None
+    manifest: dict[str, Any] = json.loads(path.read_text())
+    return manifest if _complete(out, manifest) else None
 
 
 def _previous(

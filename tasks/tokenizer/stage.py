@@ -25,25 +25,14 @@ from prefect.cache_policies import NO_CACHE
 from tokenizers import Tokenizer
 
 from tasks.common import schema
-from tasks.common.io import (
-    code_version,
-    fingerprint,
-    public_dump,
-    read_ipc_stream,
-    safe_join,
-    sha256_file,
-    write_json_atomic,
-)
+from tasks.common.io import public_dump, read_ipc_stream, safe_join, sha256_file
 from tasks.common.stage import (
     StageResult,
-    commit_dir,
     complete_manifest,
     file_entry,
-    manifest_header,
+    plan_output,
     read_upstream,
-    remove_stale_temps,
     shards_of,
-    temp_dir_beside,
     verify_shards,
 )
 from tasks.tokenizer.language_sampling import LanguageSample, sample_languages
@@ -154,14 +143,10 @@ def run_tokenizer(cfg: TokenizerConfig, ingest_dir: Path, workspace: Path) -> St
         if cfg.pretrained is not None
         else {"ingest": ingest["fingerprint"], "split": TRAIN_SPLIT}
     )
-    config = public_dump(cfg)
-    code = code_version("tasks")
-    fp = fingerprint({"inputs": inputs, "config": config, "code": code["source_hash"]})
-    out = workspace / STAGE / fp
-    manifest = complete_manifest(out)
-    if manifest is not None:
-        return StageResult(out, manifest, reused=True)
-    remove_stale_temps(out)
+    out = plan_output(STAGE, inputs, public_dump(cfg), workspace=workspace)
+    done = out.reuse(complete_manifest)
+    if done is not None:
+        return StageResult(out.path, done, reused=True)
     counter = {"documents": 0, "characters": 0}
     clock = time.monotonic()
     plan: LanguageSample | None = None
@@ -170,12 +155,11 @@ def run_tokenizer(cfg: TokenizerConfig, ingest_dir: Path, workspace: Path) -> St
     else:
         tok, plan = _train(cfg, ingest_dir, ingest, counter)
     training_s = time.monotonic() - clock
-    tmp = temp_dir_beside(out)  # after training: a refused config or failed training leaves none
+    tmp = out.open_temp_dir()  # after training: a refused config or failed training leaves none
     to_transformers(tok, cfg).save_pretrained(tmp)
     files = [file_entry(tmp, p) for p in sorted(tmp.iterdir())]
-    vocab = tok.get_vocab_size(with_added_tokens=True)
     metrics = {
-        "vocab_size": vocab,
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
         "padded_vocab_size": padded_vocab_size(tok, cfg),
         "training_s": round(training_s, 3),
         "documents": counter["documents"],
@@ -183,7 +167,7 @@ def run_tokenizer(cfg: TokenizerConfig, ingest_dir: Path, workspace: Path) -> St
         **(language_metrics(plan) if plan is not None else {}),
     }
     manifest = {
-        **manifest_header(STAGE, fp, config, code, inputs),
+        **out.header(),
         "ingest": {"fingerprint": ingest["fingerprint"], "path": str(ingest_dir)},
         "special_tokens": {t: tok.token_to_id(t) for t in [*special_tokens(cfg), *sentinels(cfg)]},
         "tags": {"tokenizer_sha256": sha256_file(tmp / "tokenizer.json")},
@@ -192,9 +176,7 @@ def run_tokenizer(cfg: TokenizerConfig, ingest_dir: Path, workspace: Path) -> St
         **({"language_sampling": plan.report()} if plan is not None else {}),
         "metrics": metrics | {"elapsed_s": round(time.monotonic() - started, 3)},
     }
-    write_json_atomic(tmp / "manifest.json", manifest)
-    commit_dir(tmp, out)
-    return StageResult(out, manifest, reused=False)
+    return out.commit(manifest, built_in=tmp)
 
 
 @task(name="tokenizer", cache_policy=NO_CACHE)

@@ -18,16 +18,18 @@ import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import sentencepiece as spm
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import trainers as tk_trainers
-from transformers import PreTrainedTokenizerFast
 
 from tasks.tokenizer.language_sampling import LanguageSamplingConfig
+
+if TYPE_CHECKING:  # imported where used: `TokenizerConfig` validates without transformers
+    from transformers import PreTrainedTokenizerFast
 
 Family = Literal["wordpiece", "bpe", "unigram"]
 
@@ -401,6 +403,8 @@ def roles(cfg: TokenizerConfig) -> dict[str, str]:
 
 def to_transformers(tok: Tokenizer, cfg: TokenizerConfig) -> PreTrainedTokenizerFast:
     """Wrap `tok` so that `AutoTokenizer.from_pretrained` reloads it with the right specials."""
+    from transformers import PreTrainedTokenizerFast
+
     inputs = (
         ["input_ids", "token_type_ids", "attention_mask"]
         if cfg.family == "wordpiece"

@@ -25,7 +25,7 @@ from tasks.common.ray_runtime import RayConfig
 from tasks.common.stage import StageInputError, read_upstream, shards_of
 from tasks.encode.encode import EncodeConfig
 from tasks.encode.stage import run_encode
-from tasks.examples.examples import ExamplesConfig
+from tasks.examples.config import ExamplesConfig
 from tasks.examples.stage import run_examples
 from tasks.tokenizer.stage import run_tokenizer
 from tasks.tokenizer.tokenizer import TokenizerConfig

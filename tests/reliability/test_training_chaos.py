@@ -155,7 +155,9 @@ def chaos_trial(n: int) -> tuple[str, int, int]:
     return point, rng.randrange(2, MAX_STEPS), rank
 
 
-@pytest.mark.parametrize("n", range(trials(quick=3, full=20)))
+# `make test` runs trial 0 (an external SIGKILL of a worker at a random step); the kills
+# inside a save are the next test's, and `make test-reliability` runs all 20 trials.
+@pytest.mark.parametrize("n", range(trials(quick=1, full=20)))
 def test_random_worker_kill_loses_and_repeats_no_sample(
     n: int, clean: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -12,34 +12,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from training.evaluate.config import GenerationSettings as GenerationSettings
 from training.finetune.features.base import causal_bos, pad_id
-
-
-class GenerationSettings(BaseModel):
-    """How to decode: greedy (or beam search) or sampling, and how much."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    strategy: Literal["greedy", "sample"] = Field(
-        "greedy",
-        description="greedy: the most likely token (beam search if num_beams > 1); "
-        "sample: draw from the temperature / top-k / top-p distribution.",
-    )
-    temperature: float = Field(1.0, gt=0, description="Sampling: logits are divided by it.")
-    top_k: int = Field(0, ge=0, description="Sampling: keep the k likeliest tokens; 0 is off.")
-    top_p: float = Field(
-        1.0, gt=0, le=1, description="Sampling: keep the smallest set with this probability."
-    )
-    max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt at most.")
-    num_beams: int = Field(1, ge=1, description="Beams; 1 is no beam search.")
-    seed: int = Field(0, description="Seeds sampling; the same prompts give the same texts.")
-    batch_size: int = Field(16, ge=1, description="Prompts decoded together.")
 
 
 def generation_config(

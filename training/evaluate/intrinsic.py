@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from training.evaluate.generation import GenerationSettings, generate_texts
+from training.evaluate.config import GenerationSettings, IntrinsicConfig
+from training.evaluate.generation import generate_texts
 from training.pretrain.data import BatchBuilder, ExampleShards, dynamic_masker, read_manifest
 from training.pretrain.loop import EVAL_EPOCH
 from training.pretrain.losses import pretraining_loss
@@ -30,36 +30,6 @@ from training.runtime.telemetry import StepMeter, metrics_from
 log = logging.getLogger(__name__)
 
 MASK_PLACEHOLDER = "[MASK]"
-
-
-def _default_decodings() -> list[GenerationSettings]:
-    return [
-        GenerationSettings(strategy="greedy", max_new_tokens=24),
-        GenerationSettings(strategy="sample", temperature=0.8, max_new_tokens=24, seed=0),
-        GenerationSettings(strategy="sample", top_k=20, max_new_tokens=24, seed=0),
-        GenerationSettings(strategy="sample", top_p=0.9, max_new_tokens=24, seed=0),
-    ]
-
-
-class IntrinsicConfig(BaseModel):
-    """What to probe a pretrained model with."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    heldout_split: str = Field("validation", description="Examples split for held-out metrics.")
-    heldout_max_samples: int = Field(512, ge=1, description="Held-out examples evaluated.")
-    batch_size: int = Field(32, ge=1, description="Examples per forward pass.")
-    fill_mask: list[str] = Field(
-        default_factory=lambda: ["The [MASK] sat on the mat."],
-        description="Masked-LM probes; [MASK] stands for the tokenizer's mask token.",
-    )
-    top_k: int = Field(5, ge=1, description="Fillers shown per fill-mask probe.")
-    prompts: list[str] = Field(
-        default_factory=lambda: ["The"],
-        description="Generation prompts (GPT: continuations; T5: text-to-text inputs).",
-    )
-    decodings: list[GenerationSettings] = Field(
-        default_factory=_default_decodings, description="Decoding settings, each run per prompt."
-    )
 
 
 def heldout_metrics(

@@ -19,37 +19,13 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.common.schema import EXAMPLE_ID, LABEL, TARGET, TEXT, TEXT_PAIR, downstream_schema
+from training.evaluate.config import PromptConfig as PromptConfig
 from training.finetune.features.base import IGNORE_INDEX, causal_bos, pad_id, strings
 
 log = logging.getLogger(__name__)
-
-
-class PromptConfig(BaseModel):
-    """How a classification example becomes a prompt, and how labels are scored."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    template: str = Field(
-        "{text}\nLabel:",
-        description="One example's prompt; {text} and (pairs) {text_pair} are filled in.",
-    )
-    verbalizers: dict[str, str] = Field(
-        description="Label name -> the text scored after the prompt, e.g. "
-        "{positive: ' great', negative: ' terrible'}; appended as is, so give it its "
-        "leading space."
-    )
-    k_shot: int = Field(0, ge=0, description="Demonstrations per query (0 = zero-shot).")
-    seed: int = Field(0, description="Seeds the choice of demonstrations.")
-    separator: str = Field("\n\n", description="Between demonstrations and the query.")
-    normalize: Literal["sum", "mean"] = Field(
-        "sum",
-        description="Label score: summed log-probability of the verbalizer's tokens, or "
-        "their mean (length-normalised, for verbalizers of different lengths).",
-    )
-    batch_size: int = Field(16, ge=1, description="Prompt-label pairs per forward pass.")
 
 
 @dataclass(frozen=True)

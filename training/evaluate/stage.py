@@ -9,15 +9,16 @@ HTML report, and logs both to an MLflow run. `evaluate_task` is the Prefect wrap
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.common import schema
 from tasks.common.io import fingerprint, read_downstream_dir, source_hash, write_json_atomic
@@ -28,39 +29,24 @@ from tasks.common.stage import (
     remove_stale_temps,
     temp_dir_beside,
 )
+from training.evaluate.config import EvaluateConfig as EvaluateConfig
 from training.evaluate.intrinsic import (
-    IntrinsicConfig,
     fill_mask_probes,
     generation_samples,
     heldout_metrics,
     sentence_embeddings,
 )
 from training.evaluate.metrics.metrics import compute_metrics, embedding_similarity_metrics
-from training.evaluate.prompting import PromptConfig, classify_by_prompting
+from training.evaluate.prompting import classify_by_prompting
 from training.evaluate.report import html_page, markdown_table
 from training.models.export import load_export
 from training.models.models import FAMILIES
 from training.registry.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
+from training.runtime.progress import ProgressSpec, artifact_key, local_progress
 
 log = logging.getLogger(__name__)
 
 ENCODERS = tuple(family for family, spec in FAMILIES.items() if spec.kind == "encoder")
-
-
-class EvaluateConfig(BaseModel):
-    """The `evaluate` section: intrinsic probes, and prompting on the task's test split."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    intrinsic: IntrinsicConfig = Field(default_factory=IntrinsicConfig)
-    prompting: PromptConfig | None = Field(
-        None,
-        description="Zero/few-shot classification of the task by prompting (GPT, T5). A "
-        "sentence-pair regression task (STS) is scored by embedding cosine instead.",
-    )
-    split: str = Field("test", description="Task split scored by prompting.")
-    max_examples: int | None = Field(
-        None, ge=1, description="Cap on the prompted examples (scoring is one pass per label)."
-    )
 
 
 def evaluate_model(
@@ -70,6 +56,7 @@ def evaluate_model(
     seed: int = 0,
     examples: tuple[Path, Path] | None = None,
     task_dir: Path | None = None,
+    progress: ProgressSpec | None = None,
 ) -> dict[str, Any]:
     """Evaluate the model in `model_dir`; return every result as plain data.
 
@@ -79,27 +66,60 @@ def evaluate_model(
         seed: Seed of the held-out split's masking.
         examples: (examples dir, tokenizer dir) of its pretraining, for held-out metrics.
         task_dir: A prepared classification task, for prompting.
+        progress: How to show the parts done (None: not at all); each part's metrics are
+            its log interval's.
     """
     family = json.loads((model_dir / "config.json").read_text())["model_type"]
     model, tok = load_export(model_dir, family)
     out: dict[str, Any] = {"model_dir": str(model_dir), "family": family}
+    parts = _parts(model, tok, family, cfg, seed, examples, task_dir)
+    with local_progress(progress, total=len(parts)) as shown:
+        for done, (key, run) in enumerate(parts):
+            shown.step(done, phase=key.replace("_", " "))
+            out[key] = run()
+            shown.log(done + 1, _part_metrics(key, out[key]))
+    return out
+
+
+def _parts(
+    model: Any,
+    tok: Any,
+    family: str,
+    cfg: EvaluateConfig,
+    seed: int,
+    examples: tuple[Path, Path] | None,
+    task_dir: Path | None,
+) -> list[tuple[str, Callable[[], Any]]]:
+    """What `evaluate_model` runs for this model, in order: (result key, the work)."""
+    intrinsic = cfg.intrinsic
+    parts: list[tuple[str, Callable[[], Any]]] = []
     if examples is not None:
-        out["heldout"] = heldout_metrics(model, examples[0], examples[1], seed, cfg.intrinsic)
+        ex, tk = examples
+        parts.append(("heldout", lambda: heldout_metrics(model, ex, tk, seed, intrinsic)))
     if family in ENCODERS:
-        out["fill_mask"] = fill_mask_probes(
-            model, tok, cfg.intrinsic.fill_mask, cfg.intrinsic.top_k
-        )
+        probes = intrinsic.fill_mask
+        parts.append(("fill_mask", lambda: fill_mask_probes(model, tok, probes, intrinsic.top_k)))
     else:
-        out["generation"] = generation_samples(
-            model, tok, cfg.intrinsic.prompts, cfg.intrinsic.decodings
-        )
+        prompts = intrinsic.prompts
+        run = functools.partial(generation_samples, model, tok, prompts, intrinsic.decodings)
+        parts.append(("generation", run))
     if task_dir is not None:
         manifest, tables = read_downstream_dir(task_dir)
         if manifest["task_type"] == "regression" and manifest.get("pair"):
-            out["similarity"] = _similarity(model, tok, tables, cfg)
+            parts.append(("similarity", lambda: _similarity(model, tok, tables, cfg)))
         elif cfg.prompting is not None and family not in ENCODERS:
-            out["prompting"] = _prompting(model, tok, task_dir, cfg)
-    return out
+            parts.append(("prompting", lambda: _prompting(model, tok, task_dir, cfg)))
+    return parts
+
+
+def _part_metrics(key: str, value: Any) -> dict[str, float]:
+    """The numbers a part's progress line shows: held-out metrics, a task's scores."""
+    numbers = value.get("metrics", value) if isinstance(value, dict) else {}
+    return {
+        f"{key}_{k}": float(v)
+        for k, v in numbers.items()
+        if isinstance(v, int | float) and not k.endswith("_examples")
+    }
 
 
 def _similarity(
@@ -263,8 +283,14 @@ def evaluate_task(
         return dict(done["summary"]) | {"path": str(out), "reused": True}
     remove_stale_temps(out)
     tmp = temp_dir_beside(out)
+    key = artifact_key(f"{run_name}-evaluate-progress")
     result = evaluate_model(
-        Path(model_dir), cfg, seed=seed, examples=examples_paths, task_dir=task_path
+        Path(model_dir),
+        cfg,
+        seed=seed,
+        examples=examples_paths,
+        task_dir=task_path,
+        progress=ProgressSpec("evaluate", get_run_logger(), key),
     )
     if finetuned:
         result["finetuned"] = _finetuned_section(finetuned)

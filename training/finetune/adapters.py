@@ -1,4 +1,4 @@
-"""Parameter-efficient modules: bottleneck adapters (ours) and the peft LoRA/prompt pieces.
+"""Parameter-efficient modules: bottleneck adapters (ours), the peft LoRA/prompt pieces, exports.
 
 A bottleneck adapter (Houlsby et al. 2019; Pfeiffer et al. 2020) is `h + up(act(down(h)))` with
 `up` initialised to zero, so a model with fresh adapters computes exactly what it computed
@@ -8,31 +8,48 @@ child module of that projection (`.bottleneck_adapter`) applied by a forward hoo
 parameter of the model is renamed or wrapped. Written here: the `adapters` library pins an older
 transformers.
 
-`from_pretrained` knows nothing of adapters or soft prompts: `save_adapters` / `save_prompt`
-write them beside an export and `load_adapters` / `load_prompt` re-attach them to a model loaded
-from it. Also here: the LoRA and prompt-tuning settings and the peft task type of a model.
-Not here: which parameters train and at what lr (`training/finetune/strategies.py`).
+An adapter export keeps the frozen base model in `base_model/` and the adapter beside it: peft's
+`adapter_config.json` + `adapter_model.safetensors` (`save_peft_export`, LoRA and prompt tuning),
+or lmpipe's `adapters.json` + `adapters.safetensors` (`save_adapters`). `load_finetuned` loads
+any fine-tuned export, adapters applied, from any working directory. Also here: the LoRA and
+prompt-tuning settings and the peft task type of a model. Not here: which parameters train and
+at what lr (`training/finetune/strategies.py`); the layout names (`training/models/export.py`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
+
+from training.finetune.config import AdapterConfig as AdapterConfig
+from training.finetune.config import LoraSettings as LoraSettings
+from training.finetune.config import PromptSettings as PromptSettings
+from training.models.export import (
+    ADAPTERS_CONFIG_FILE,
+    BASE_MODEL_DIR,
+    TASK_AUTO_CLASSES,
+    assert_safetensors_only,
+    export_layout,
+    load_peft_export,
+    require_safetensors,
+)
 
 ADAPTER_ATTR = "bottleneck_adapter"
 _HOOK_ATTR = "_bottleneck_adapter_hook"
 WEIGHTS_FILE = "adapters.safetensors"
-CONFIG_FILE = "adapters.json"
+CONFIG_FILE = ADAPTERS_CONFIG_FILE
 FORMAT = "lmpipe-bottleneck-adapters/1"
-PROMPT_FILE, PROMPT_CONFIG = "prompt.safetensors", "prompt.json"
 
 # Per family: the word before a layer's index, and the output projection of each sub-layer.
 # T5 decoder blocks have cross-attention too; both attention outputs get an adapter.
@@ -67,32 +84,6 @@ _ACTIVATIONS: dict[str, type[torch.nn.Module]] = {
     "silu": torch.nn.SiLU,
     "tanh": torch.nn.Tanh,
 }
-
-
-class AdapterConfig(BaseModel):
-    """Bottleneck adapters: size, placement and nonlinearity."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    reduction_factor: int = Field(
-        16, ge=1, description="Bottleneck width = hidden size // reduction_factor (at least 1)."
-    )
-    bottleneck: int | None = Field(
-        None, ge=1, description="Explicit bottleneck width; wins over reduction_factor."
-    )
-    placement: Literal["both", "attention", "ffn"] = Field(
-        "both",
-        description="After the attention and the feed-forward output (both: Houlsby), or only "
-        "one of them (ffn: Pfeiffer).",
-    )
-    activation: Literal["relu", "gelu", "silu", "tanh"] = Field(
-        "gelu",
-        description="Nonlinearity between the down- and up-projection. With `up` starting at "
-        "zero, a ReLU unit that is dead on the first batches never gets a gradient; GELU's does.",
-    )
-
-    def width(self, hidden: int) -> int:
-        """The bottleneck width for a sub-layer of width `hidden`."""
-        return self.bottleneck or max(1, hidden // self.reduction_factor)
 
 
 class BottleneckAdapter(torch.nn.Module):
@@ -311,30 +302,6 @@ _TASKS = (
 )
 
 
-class LoraSettings(BaseModel):
-    """LoRA (via peft) on the attention projections."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    r: int = Field(8, ge=1, description="Rank of the low-rank update.")
-    alpha: float = Field(16.0, gt=0, description="Scale: the update is (alpha / r) * B A.")
-    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
-    target_modules: list[str] | None = Field(
-        None,
-        description="Module names to adapt; default per family: bert/roberta query,value; "
-        "gpt2 c_attn; llama q_proj,v_proj; t5 q,v.",
-    )
-
-
-class PromptSettings(BaseModel):
-    """Prompt tuning (via peft): trainable soft-prompt embeddings before the input."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    num_virtual_tokens: int = Field(20, ge=1, description="Soft-prompt length in tokens.")
-    init: Literal["sample_vocab", "random"] = Field(
-        "sample_vocab", description="Start from randomly sampled vocabulary embeddings, or N(0,1)."
-    )
-
-
 def peft_task_type(model: torch.nn.Module) -> str:
     """The peft task type of a transformers task class (SEQ_CLS, TOKEN_CLS, ...)."""
     cls = type(model).__name__
@@ -361,56 +328,75 @@ def quiet_peft(build: Any, *args: Any) -> Any:
         return build(*args)
 
 
-def unwrap_saved_modules(model: torch.nn.Module) -> torch.nn.Module:
-    """Put the trained copy of each peft `modules_to_save` head back in its place (in place)."""
-    wrappers = [
-        n for n, m in model.named_modules() if isinstance(m, load_peft().utils.ModulesToSaveWrapper)
-    ]
+def restore_original_modules(model: torch.nn.Module) -> torch.nn.Module:
+    """Put the original (untrained) module of each peft `modules_to_save` copy back (in place)."""
+    wrapper_type = load_peft().utils.ModulesToSaveWrapper
+    wrappers = [n for n, m in model.named_modules() if isinstance(m, wrapper_type)]
     for name in wrappers:
         parent_name, _, child = name.rpartition(".")
-        wrapper: Any = model.get_submodule(name)
-        trained = wrapper.unload_and_optionally_merge_module(False, False, None)
-        setattr(model.get_submodule(parent_name), child, trained)
+        original = model.get_submodule(name).original_module
+        setattr(model.get_submodule(parent_name), child, original)
     return model
 
 
-def prompt_weight(model: Any) -> torch.Tensor:
-    """The soft-prompt embedding (virtual tokens x hidden) of a peft prompt-tuning model."""
-    return model.prompt_encoder["default"].embedding.weight  # type: ignore[no-any-return]
+def peft_base_model(model: Any) -> PreTrainedModel:
+    """The base of a peft model as it was before fine-tuning (takes the peft model apart).
+
+    LoRA layers are removed unmerged, and every task head trained as `modules_to_save` gets its
+    original module back: the trained head is in the adapter file.
+    """
+    restore_original_modules(model.get_base_model())
+    if model.peft_config["default"].is_prompt_learning:
+        return model.get_base_model()  # type: ignore[no-any-return]
+    return quiet_peft(model.unload)  # type: ignore[no-any-return]
 
 
-def save_prompt(model: Any, directory: Path) -> list[Path]:
-    """Write `prompt.safetensors` and `prompt.json` (task type, length) to `directory`."""
+def save_peft_export(model: Any, directory: Path) -> list[Path]:
+    """Write a peft model as an adapter directory with its base model inside; return the files.
+
+    `adapter_config.json` and `adapter_model.safetensors` (LoRA or the soft prompt, plus the
+    trained task head) at the top, the frozen base in `base_model/`, and a copy of its
+    `config.json` at the top with no weights beside it (a plain `from_pretrained` of the
+    directory fails instead of loading the model without its adapter). Takes the model apart.
+    """
     directory.mkdir(parents=True, exist_ok=True)
-    weights, meta = directory / PROMPT_FILE, directory / PROMPT_CONFIG
-    save_file({"prompt": prompt_weight(model).detach().contiguous().cpu()}, str(weights))
-    config = model.peft_config["default"]
-    record = {"task_type": str(config.task_type), "num_virtual_tokens": config.num_virtual_tokens}
-    meta.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    return [weights, meta]
+    # Relative, so the directory can move (an absolute path or a hub name would not follow it).
+    # peft and transformers resolve it against the working directory, not the adapter's:
+    # `load_finetuned` and the registry pass the base model explicitly instead.
+    model.peft_config["default"].base_model_name_or_path = BASE_MODEL_DIR
+    # The whole base is saved beside it: no embedding copies (peft's "auto" asks the hub).
+    save = functools.partial(model.save_pretrained, save_embedding_layers=False)
+    quiet_peft(save, str(directory))
+    (directory / "README.md").unlink(missing_ok=True)  # peft's card template; the run writes one
+    base = peft_base_model(model)
+    base.save_pretrained(directory / BASE_MODEL_DIR)
+    shutil.copyfile(directory / BASE_MODEL_DIR / "config.json", directory / "config.json")
+    return sorted(p for p in directory.rglob("*") if p.is_file())
 
 
-def load_prompt(model: torch.nn.Module, directory: Path) -> torch.nn.Module:
-    """Wrap `model` for prompt tuning with the soft prompt saved in `directory`.
+def load_finetuned(directory: Path, task_type: str) -> torch.nn.Module:
+    """Load a fine-tuned export offline with its adapters applied, from any working directory.
+
+    Args:
+        directory: A plain export, or an adapter export (`base_model/` plus a peft adapter or
+            lmpipe's bottleneck adapters); see `training.models.export.export_layout`.
+        task_type: The downstream task type; picks the Auto class.
+
+    Returns:
+        The transformers model (bottleneck adapters attached), or a peft model.
 
     Raises:
-        ValueError: naming the file whose record or prompt does not fit the model.
+        UnsafeWeightsError: a weights file is a pickle, or the peft adapter is not safetensors.
     """
-    meta = directory / PROMPT_CONFIG
-    record = json.loads(meta.read_text(encoding="utf-8"))
-    try:
-        config = load_peft().PromptTuningConfig(
-            task_type=record["task_type"], num_virtual_tokens=int(record["num_virtual_tokens"])
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{meta}: needs task_type and num_virtual_tokens ({err})") from err
-    wrapped = quiet_peft(load_peft().get_peft_model, model, config)
-    saved, target = load_file(str(directory / PROMPT_FILE))["prompt"], prompt_weight(wrapped)
-    if saved.shape != target.shape:
-        raise ValueError(
-            f"{directory / PROMPT_FILE}: prompt has shape {tuple(saved.shape)}, "
-            f"the model needs {tuple(target.shape)}"
-        )
-    with torch.no_grad():
-        target.copy_(saved)
-    return wrapped  # type: ignore[no-any-return]
+    layout = export_layout(directory)
+    if layout == "peft":
+        return load_peft_export(directory, task_type)  # type: ignore[no-any-return]
+    assert_safetensors_only(directory)
+    weights = directory if layout == "model" else directory / BASE_MODEL_DIR
+    require_safetensors(weights)
+    model: torch.nn.Module = TASK_AUTO_CLASSES[task_type].from_pretrained(
+        weights, local_files_only=True, use_safetensors=True
+    )
+    if layout == "adapters":
+        load_adapters(model, directory)
+    return model

@@ -17,49 +17,11 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, ConfigDict, Field
 
 from training.evaluate.report import comparison_report
-from training.finetune.strategies import StrategyConfig
+from training.finetune.config import CompareConfig as CompareConfig
+from training.finetune.config import CompareEntry as CompareEntry
 from training.registry.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
-
-
-class CompareEntry(BaseModel):
-    """One row of the comparison: a strategy, from pretrained or from random weights."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
-    random_init: bool = Field(False, description="Start from random weights (the baseline).")
-    label: str | None = Field(None, description="Row name; default the strategy name.")
-
-    def name(self) -> str:
-        """The row's name in the table and chart."""
-        if self.label:
-            return self.label
-        return self.strategy.name + (" (random init)" if self.random_init else "")
-
-
-def _default_entries() -> list[CompareEntry]:
-    names = ("feature_extraction", "full", "lora")
-    return [CompareEntry(strategy=StrategyConfig(name=n)) for n in names]
-
-
-class CompareConfig(BaseModel):
-    """Which strategies to compare, over which seeds, and on which test metric."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    entries: list[CompareEntry] = Field(
-        default_factory=_default_entries, min_length=1, description="Rows of the comparison."
-    )
-    seeds: list[int] = Field(
-        default_factory=lambda: [0, 1, 2], min_length=1, description="Seeds per entry."
-    )
-    metric: str | None = Field(
-        None, description="Test metric to compare; default the task's primary metric."
-    )
-    experiment: str | None = Field(
-        None, description="MLflow experiment for every run; default <experiment>-compare."
-    )
 
 
 def summarise_comparison(

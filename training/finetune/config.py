@@ -1,8 +1,11 @@
 """The `finetune` section: which model, which strategy, how long, how it stops, on what workers.
 
 The downstream data itself is described in `tasks/downstream/downstream.py` (`DatasetConfig`); this
-section only says how to train on it. Strategies, features and generation settings are sections of
-their own modules, composed here.
+section only says how to train on it. The features and generation settings are sections of their
+own light modules, composed here. The strategy section (`StrategyConfig`, with its adapter, LoRA
+and prompt-tuning settings) and the `compare` section (`CompareConfig`) live here too, apart from
+the code they configure (`strategies.py`, `adapters.py`, `compare.py`, which re-export them), so
+that a recipe validates without importing torch, transformers or Prefect.
 """
 
 from __future__ import annotations
@@ -11,11 +14,142 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from training.evaluate.generation import GenerationSettings
-from training.finetune.features.features import FeatureConfig
-from training.finetune.strategies import StrategyConfig
+from training.evaluate.config import GenerationSettings
+from training.finetune.features.base import FeatureConfig
 from training.pretrain.config import AutoPrecision, ScaleConfig
 from training.registry.model_ref import BaseModelRef
+
+
+class AdapterConfig(BaseModel):
+    """Bottleneck adapters: size, placement and nonlinearity."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    reduction_factor: int = Field(
+        16, ge=1, description="Bottleneck width = hidden size // reduction_factor (at least 1)."
+    )
+    bottleneck: int | None = Field(
+        None, ge=1, description="Explicit bottleneck width; wins over reduction_factor."
+    )
+    placement: Literal["both", "attention", "ffn"] = Field(
+        "both",
+        description="After the attention and the feed-forward output (both: Houlsby), or only "
+        "one of them (ffn: Pfeiffer).",
+    )
+    activation: Literal["relu", "gelu", "silu", "tanh"] = Field(
+        "gelu",
+        description="Nonlinearity between the down- and up-projection. With `up` starting at "
+        "zero, a ReLU unit that is dead on the first batches never gets a gradient; GELU's does.",
+    )
+
+    def width(self, hidden: int) -> int:
+        """The bottleneck width for a sub-layer of width `hidden`."""
+        return self.bottleneck or max(1, hidden // self.reduction_factor)
+
+
+class LoraSettings(BaseModel):
+    """LoRA (via peft) on the attention projections."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    r: int = Field(8, ge=1, description="Rank of the low-rank update.")
+    alpha: float = Field(16.0, gt=0, description="Scale: the update is (alpha / r) * B A.")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] | None = Field(
+        None,
+        description="Module names to adapt; default per family: bert/roberta query,value; "
+        "gpt2 c_attn; llama q_proj,v_proj; t5 q,v.",
+    )
+
+
+class PromptSettings(BaseModel):
+    """Prompt tuning (via peft): trainable soft-prompt embeddings before the input."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    num_virtual_tokens: int = Field(20, ge=1, description="Soft-prompt length in tokens.")
+    init: Literal["sample_vocab", "random"] = Field(
+        "sample_vocab", description="Start from randomly sampled vocabulary embeddings, or N(0,1)."
+    )
+
+
+StrategyName = Literal[
+    "full", "feature_extraction", "progressive_unfreezing", "adapters", "prompt_tuning", "lora"
+]
+ExportFormat = Literal["merged", "adapter"]
+#: Strategies whose result is one set of transformers weights (LoRA once merged).
+MERGEABLE = frozenset({"full", "feature_extraction", "progressive_unfreezing", "lora"})
+#: Strategies that train an adapter which can be saved apart from the base model.
+ADAPTER_STRATEGIES = frozenset({"lora", "prompt_tuning", "adapters"})
+
+_OWNERS = {
+    "unfreeze_every_epochs": "progressive_unfreezing",
+    "adapter": "adapters",
+    "lora": "lora",
+    "prompt": "prompt_tuning",
+}
+
+
+class StrategyConfig(BaseModel):
+    """How fine-tuning adapts the pretrained model (docs/strategies.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: StrategyName = Field("full", description="The transfer strategy.")
+    head_lr_mult: float = Field(
+        1.0, gt=0, description="Head lr = lr * head_lr_mult (discriminative learning rates)."
+    )
+    layer_decay: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Layer-wise lr decay: depth d of L trains at lr * layer_decay^(L - d) "
+        "(full and progressive_unfreezing).",
+    )
+    unfreeze_every_epochs: int = Field(
+        1, ge=1, description="progressive_unfreezing: epochs per stage (head, then one layer)."
+    )
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    prompt: PromptSettings = Field(default_factory=PromptSettings)
+    export: Literal["auto", "merged", "adapter"] = Field(
+        "auto",
+        description="How the fine-tuned model is saved (docs/strategies.md, Exports). merged: "
+        "one transformers model that from_pretrained loads (full, feature_extraction, "
+        "progressive_unfreezing, lora). adapter: the frozen base model in base_model/ and the "
+        "adapter beside it (peft's adapter_config.json + adapter_model.safetensors for lora and "
+        "prompt_tuning, lmpipe's adapters.json for adapters). auto: merged where the strategy "
+        "can merge, else adapter.",
+    )
+
+    @model_validator(mode="after")
+    def _composes(self) -> StrategyConfig:
+        if self.layer_decay is not None and self.name not in ("full", "progressive_unfreezing"):
+            raise ValueError(
+                f"layer_decay scales the lr of the model's own layers, which {self.name} does "
+                "not train; use it with full or progressive_unfreezing"
+            )
+        if self.head_lr_mult != 1.0 and self.name == "feature_extraction":
+            raise ValueError(
+                "head_lr_mult has no effect with feature_extraction (only the head trains): "
+                "set the learning rate instead"
+            )
+        if self.export == "merged" and self.name not in MERGEABLE:
+            raise ValueError(
+                f"export merged: {self.name} cannot be merged into the model's weights (a soft "
+                "prompt is extra input, bottleneck adapters are nonlinear); use export adapter"
+            )
+        if self.export == "adapter" and self.name not in ADAPTER_STRATEGIES:
+            raise ValueError(f"export adapter: {self.name} trains no adapter; use export merged")
+        defaults = StrategyConfig.model_construct()
+        for field, owner in _OWNERS.items():
+            # Compared with the default (not `model_fields_set`): a dumped config, defaults
+            # included, must validate again (Ray workers, run records).
+            if getattr(self, field) != getattr(defaults, field) and self.name != owner:
+                raise ValueError(f"strategy.{field} only applies to name: {owner}, not {self.name}")
+        return self
+
+    def export_format(self) -> ExportFormat:
+        """`export` with auto resolved: merged where the strategy can merge, else adapter."""
+        if self.export != "auto":
+            return self.export
+        return "merged" if self.name in MERGEABLE else "adapter"
 
 
 class StoppingConfig(BaseModel):
@@ -132,3 +266,41 @@ class FinetuneConfig(AutoPrecision):
                 f"finetune.micro_batch_size ({self.micro_batch_size}) x workers ({world_size})"
             )
         return self.batch_size // per_step
+
+
+class CompareEntry(BaseModel):
+    """One row of the comparison: a strategy, from pretrained or from random weights."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    random_init: bool = Field(False, description="Start from random weights (the baseline).")
+    label: str | None = Field(None, description="Row name; default the strategy name.")
+
+    def name(self) -> str:
+        """The row's name in the table and chart."""
+        if self.label:
+            return self.label
+        return self.strategy.name + (" (random init)" if self.random_init else "")
+
+
+def _default_entries() -> list[CompareEntry]:
+    names = ("feature_extraction", "full", "lora")
+    return [CompareEntry(strategy=StrategyConfig(name=n)) for n in names]
+
+
+class CompareConfig(BaseModel):
+    """Which strategies to compare, over which seeds, and on which test metric."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    entries: list[CompareEntry] = Field(
+        default_factory=_default_entries, min_length=1, description="Rows of the comparison."
+    )
+    seeds: list[int] = Field(
+        default_factory=lambda: [0, 1, 2], min_length=1, description="Seeds per entry."
+    )
+    metric: str | None = Field(
+        None, description="Test metric to compare; default the task's primary metric."
+    )
+    experiment: str | None = Field(
+        None, description="MLflow experiment for every run; default <experiment>-compare."
+    )

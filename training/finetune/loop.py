@@ -32,6 +32,7 @@ from training.registry.tracking import MlflowTracker, NullTracker, Tracker
 from training.runtime.context import RayWorkerContext, WorkerContext
 from training.runtime.deepspeed import merge
 from training.runtime.engine import Engine, TorchEngine, initialize_deepspeed
+from training.runtime.progress import connect_progress
 from training.runtime.schedule import GroupLRSchedule
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class FinetuneJob(BaseModel):
     config_hash: str
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    progress: str | None = None  # the driver's progress sink (training/runtime/progress.py)
 
 
 def finetune_loop_per_worker(config: dict[str, Any]) -> None:
@@ -152,6 +154,7 @@ class FinetuneWorker:
         if ctx.rank == 0 and job.tracking_uri and job.mlflow_run_id:
             self.tracker = MlflowTracker(job.tracking_uri, job.mlflow_run_id)
         self.step = 0
+        self.progress = connect_progress(job.progress, ctx.rank, total)
         # Dropout differs across ranks; shuffling does not (one seeded order, split by rank).
         torch.manual_seed(job.seed * 1000 + 17 + ctx.rank)
 
@@ -183,6 +186,7 @@ class FinetuneWorker:
             row = {"epoch": epoch, "step": self.step, "train_loss": train_loss, **metrics}
             history.append(row)
             self._log(row)
+            self._show(row)
             self.ctx.report({k: v for k, v in row.items() if _is_number(v)}, None)
             if decision.stop:
                 break
@@ -202,6 +206,9 @@ class FinetuneWorker:
         )
         if self.ctx.rank == 0:
             write_outputs(self.ctx.run_dir, self.data, self.plan, result, preds, self._card(result))
+        shown = {f"test_{k}": v for k, v in test.items() if k in ("loss", self.stopper.metric)}
+        self.progress.log(self.step, shown, phase="tested")
+        self.progress.close()
         _barrier()
         return result
 
@@ -219,10 +226,15 @@ class FinetuneWorker:
         return f"# Fine-tuned with lmpipe\n\n| field | value |\n|---|---|\n{table}\n"
 
     def train_epoch(self, epoch: int) -> float:
-        """One pass over this rank's share of the training features; the mean loss."""
+        """One pass over this rank's share of the training features; the mean loss.
+
+        The loss sum stays on the device until the epoch ends (one read, as pretraining reads
+        at its log interval), so a step does not wait for the host.
+        """
         self.engine.module.train()
         order = self._epoch_order(epoch)
-        total, count = torch.zeros((), dtype=torch.float64), 0
+        total, count = torch.zeros((), dtype=torch.float64, device=self.engine.device), 0
+        phase = f"epoch {epoch + 1}/{self.cfg.epochs}"
         for start in range(0, len(order), self.cfg.micro_batch_size):
             ids = order[start : start + self.cfg.micro_batch_size]
             batch = self.data.batch("train", ids, self.engine.device)
@@ -233,12 +245,21 @@ class FinetuneWorker:
             if boundary:
                 self.schedule.step()
                 self.step += 1
-            total += float(loss.detach())
+                self.progress.step(self.step, samples=self.cfg.batch_size, phase=phase)
+            total += loss.detach().double()
             count += 1
-        stats = torch.tensor([float(total), float(count)], dtype=torch.float64)
+        stats = torch.stack([total.cpu(), torch.tensor(float(count), dtype=torch.float64)])
         if dist.is_initialized():
             dist.all_reduce(stats)
         return float(stats[0]) / max(float(stats[1]), 1.0)
+
+    def _show(self, row: dict[str, Any]) -> None:
+        """Report an epoch's losses and watched metric to the driver's progress line."""
+        watched = self.stopper.metric
+        shown = {"train_loss": row["train_loss"], "val_loss": row.get("loss")}
+        shown[f"val_{watched}"] = row.get(watched)
+        numbers = {k: float(v) for k, v in shown.items() if _is_number(v)}
+        self.progress.log(self.step, numbers, phase=f"epoch {row['epoch'] + 1}/{self.cfg.epochs}")
 
     def _log(self, row: dict[str, Any]) -> None:
         if self.ctx.rank != 0:

@@ -1,8 +1,9 @@
 """What a fine-tuning run leaves: the checked Hugging Face export, predictions and result.json.
 
-The export is written to a temporary directory and renamed into place; it is reloaded (with
-its adapters or soft prompt re-attached) and must reproduce the trained model's outputs on a
-fixed batch before `result.json`, the run's completion marker, is written last.
+The export (merged, or the base model plus its adapter: `StrategyPlan.save_export`) is written to
+a temporary directory and renamed into place; it is reloaded (`load_finetuned`, adapters applied)
+and must reproduce the trained model's outputs on a fixed batch before `result.json`, the run's
+completion marker, is written last.
 """
 
 from __future__ import annotations
@@ -18,13 +19,33 @@ import torch
 
 from tasks.common import schema
 from tasks.common.io import write_json_atomic
+from training.finetune.adapters import load_finetuned
 from training.finetune.data import TaskData
 from training.finetune.early_stopping import EarlyStopping
-from training.finetune.strategies import StrategyPlan, attach_saved_extras
-from training.models.export import TASK_AUTO_CLASSES, ExportCheckError, assert_safetensors_only
+from training.finetune.strategies import StrategyPlan
+from training.models.export import (
+    BASE_MODEL_DIR,
+    ExportCheckError,
+    assert_safetensors_only,
+    export_layout,
+)
 
 RESULT_FILE = "result.json"
 EXPORT_DIR = "export"
+# Appended to the card of an adapter export: how to load it (docs/strategies.md, "Exports").
+_LOADING = {
+    "peft": "\n## Loading\n\nA peft adapter (`adapter_config.json`, `adapter_model.safetensors`) "
+    "with its frozen base model in `base_model/`. `base_model_name_or_path` is the relative "
+    "path `base_model`, which peft resolves against the working directory: from inside this "
+    'directory, `AutoPeftModelFor<Task>.from_pretrained(".")`; from anywhere, '
+    '`PeftModel.from_pretrained(AutoModelFor<Task>.from_pretrained("<dir>/base_model"), '
+    '"<dir>")` or `training.finetune.adapters.load_finetuned(<dir>, task_type)`. '
+    "`from_pretrained` of this directory alone fails: it holds no model weights.\n",
+    "adapters": "\n## Loading\n\nlmpipe bottleneck adapters (`adapters.json`, "
+    "`adapters.safetensors`; peft has no such method) beside the model without them in "
+    "`base_model/`. Load with `training.finetune.adapters.load_finetuned(<dir>, task_type)`. "
+    "`from_pretrained` of this directory alone fails: it holds no model weights.\n",
+}
 
 
 def run_result(
@@ -106,12 +127,13 @@ def write_outputs(
     out_dir = run_dir / EXPORT_DIR
     staged = Path(tempfile.mkdtemp(prefix=".export-", dir=run_dir))
     try:
-        model = plan.merge_and_export_model()
-        model.save_pretrained(staged)
-        data.tokenizer.save_pretrained(staged)
-        plan.save_extras(staged)
-        (staged / "README.md").write_text(card, encoding="utf-8")
-        assert_safetensors_only(staged)
+        plan.save_export(staged)
+        layout = export_layout(staged)
+        # The base model of an adapter export is a complete Hugging Face directory too.
+        for home in [staged, staged / BASE_MODEL_DIR] if layout != "model" else [staged]:
+            data.tokenizer.save_pretrained(home)
+            assert_safetensors_only(home)
+        (staged / "README.md").write_text(card + _LOADING.get(layout, ""), encoding="utf-8")
         _check_reload(staged, data.task_type, inputs, expected)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -130,11 +152,7 @@ def write_outputs(
 def _check_reload(
     hf_dir: Path, task_type: str, inputs: dict[str, torch.Tensor], expected: torch.Tensor
 ) -> None:
-    model = TASK_AUTO_CLASSES[task_type].from_pretrained(
-        hf_dir, local_files_only=True, use_safetensors=True
-    )
-    wrapped = attach_saved_extras(model, hf_dir)
-    got = _reference_outputs(wrapped, inputs)
+    got = _reference_outputs(load_finetuned(hf_dir, task_type), inputs)
     if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
         diff = (got - expected).abs().max() if got.shape == expected.shape else "shape"
         raise ExportCheckError(f"{hf_dir}: reloaded outputs differ from the trained model ({diff})")

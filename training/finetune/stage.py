@@ -28,6 +28,7 @@ from training.registry.model_ref import BaseModelRef, resolve_base_model
 from training.registry.registry import register_export
 from training.registry.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
 from training.runtime.launcher import fit_on_ray
+from training.runtime.progress import ProgressSpec, artifact_key
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,12 @@ def run_finetune(
     *,
     tracking_uri: str | None = None,
     mlflow_run_id: str | None = None,
+    progress: ProgressSpec | None = None,
 ) -> FinetuneRun:
-    """Fine-tune on Ray Train (or reuse the finished run with the same identity)."""
+    """Fine-tune on Ray Train (or reuse the finished run with the same identity).
+
+    `progress`: how this process shows the run's progress (None: not at all).
+    """
     run_id = finetune_run_id(cfg, seed, data_dir, model_dir)
     run_dir = root / run_id
     if (run_dir / RESULT_FILE).is_file():
@@ -98,7 +103,7 @@ def run_finetune(
         mlflow_run_id=mlflow_run_id,
     )
     loop_config = job.model_dump(mode="json")
-    fit_on_ray(finetune_loop_per_worker, loop_config, cfg.scale, run_dir, ray_cfg)
+    fit_on_ray(finetune_loop_per_worker, loop_config, cfg.scale, run_dir, ray_cfg, progress)
     if not (run_dir / RESULT_FILE).is_file():
         raise RuntimeError(f"{run_dir}: fine-tuning ended without {RESULT_FILE}")
     return FinetuneRun(run_dir, json.loads((run_dir / RESULT_FILE).read_text()))
@@ -114,6 +119,7 @@ def finetune_stage(
     tracking: TrackingConfig,
     run_name: str,
     lineage: dict[str, str],
+    progress: ProgressSpec | None = None,
 ) -> dict[str, Any]:
     """Fine-tune, log to MLflow (params, epochs, test metrics, report), register the export.
 
@@ -127,6 +133,7 @@ def finetune_stage(
         tracking: MLflow settings.
         run_name: MLflow run name prefix and default registered-model prefix.
         lineage: Tags that trace the base model (e.g. `base_model_name`, `base_model_version`).
+        progress: How this process shows the run's progress (None: not at all).
 
     Returns:
         A summary: run directory, result (metrics, best epoch, trainable parameters, time),
@@ -158,6 +165,7 @@ def finetune_stage(
             ray_cfg,
             tracking_uri=uri,
             mlflow_run_id=mlflow_run,
+            progress=progress,
         )
         summary = {"run_dir": str(run.run_dir), "export_dir": str(run.export_dir), **run.result}
         summary["mlflow_run_id"] = mlflow_run
@@ -212,8 +220,15 @@ def finetune_task(
     run_name: str,
     lineage: dict[str, str],
 ) -> dict[str, Any]:
-    """Prefect task: `finetune_stage` on paths; publishes the report as a Markdown artifact."""
-    get_run_logger().info("fine-tuning: %s", cfg.precision_choice())  # shown on the console
+    """Prefect task: `finetune_stage` on paths; publishes the report as a Markdown artifact.
+
+    The run's progress is a live line on a terminal, else a log line per epoch, and a Prefect
+    progress artifact; its title names the strategy and seed (a comparison runs several).
+    """
+    logger = get_run_logger()
+    logger.info("fine-tuning: %s", cfg.precision_choice())  # shown on the console
+    key = artifact_key(f"{run_name}-finetune-progress")
+    progress = ProgressSpec(progress_title(cfg, seed), logger, key)
     summary = finetune_stage(
         cfg,
         seed,
@@ -224,13 +239,20 @@ def finetune_task(
         tracking,
         run_name,
         lineage,
+        progress,
     )
     report = Path(summary["run_dir"]) / "report" / "report.md"
     if report.is_file():
         create_markdown_artifact(
-            report.read_text(), key=_artifact_key(f"{run_name}-finetune"), description="Fine-tuning"
+            report.read_text(), key=artifact_key(f"{run_name}-finetune"), description="Fine-tuning"
         )
     return summary
+
+
+def progress_title(cfg: FinetuneConfig, seed: int) -> str:
+    """The progress line's title: the strategy, the initialisation when random, the seed."""
+    init = ", random init" if cfg.random_init else ""
+    return f"finetune {cfg.strategy.name}{init} seed {seed}"
 
 
 @task(name="resolve-base-model", cache_policy=NO_CACHE)
@@ -241,8 +263,3 @@ def resolve_base_model_task(
     uri = tracking.tracking_uri if tracking.enabled else None
     path, lineage = resolve_base_model(ref, uri, Path(workspace))
     return str(path), lineage
-
-
-def _artifact_key(name: str) -> str:
-    # Prefect artifact keys: lowercase letters, digits and dashes only.
-    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")[:60] or "report"

@@ -3,25 +3,30 @@
 `apply_strategy(model, cfg, head_prefixes)` freezes, wraps or extends a transformers task model
 for one strategy (`finetune.strategy`) and returns a `StrategyPlan`: the model to train, its
 optimizer groups (`training/runtime/schedule.py`), the names it may change, the unfreezing stage per
-epoch, and the model to export. The pieces compose: `head_lr_mult` (discriminative lr) goes with
-every strategy that trains a head, `layer_decay` with `full` and `progressive_unfreezing`.
-Bottleneck adapters live in `training/finetune/adapters.py`; LoRA and prompt tuning come from
-`peft`. Depth numbering, formulas and worked tables: docs/strategies.md.
+epoch, and the export (`save_export`: merged, or the base model plus the adapter). The pieces
+compose: `head_lr_mult` (discriminative lr) goes with every strategy that trains a head,
+`layer_decay` with `full` and `progressive_unfreezing`. Bottleneck adapters and the adapter
+exports live in `training/finetune/adapters.py`; LoRA and prompt tuning come from `peft`. Depth
+numbering, formulas, worked tables and the export layouts: docs/strategies.md.
 """
 
 from __future__ import annotations
 
 import functools
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedModel
 
 from training.finetune import adapters as adapter_lib
-from training.finetune.adapters import AdapterConfig, LoraSettings, PromptSettings, peft_task_type
+from training.finetune.adapters import peft_task_type
+from training.finetune.config import MERGEABLE
+from training.finetune.config import StrategyConfig as StrategyConfig
+from training.finetune.config import StrategyName as StrategyName
+from training.models.export import BASE_MODEL_DIR
 from training.models.models import FAMILIES
 from training.runtime.schedule import (
     ParamSpec,
@@ -31,9 +36,6 @@ from training.runtime.schedule import (
     stack_sizes,
 )
 
-StrategyName = Literal[
-    "full", "feature_extraction", "progressive_unfreezing", "adapters", "prompt_tuning", "lora"
-]
 #: Top-level task-head modules of the transformers task classes, in lookup order.
 HEAD_NAMES = (
     "classifier",
@@ -47,55 +49,6 @@ HEAD_NAMES = (
 #: Pretrained language-model heads (often tied to the input embeddings): parameter-efficient
 #: strategies leave them frozen.
 LM_HEADS = frozenset({"lm_head", "cls"})
-_OWNERS = {
-    "unfreeze_every_epochs": "progressive_unfreezing",
-    "adapter": "adapters",
-    "lora": "lora",
-    "prompt": "prompt_tuning",
-}
-
-
-class StrategyConfig(BaseModel):
-    """How fine-tuning adapts the pretrained model (docs/strategies.md)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: StrategyName = Field("full", description="The transfer strategy.")
-    head_lr_mult: float = Field(
-        1.0, gt=0, description="Head lr = lr * head_lr_mult (discriminative learning rates)."
-    )
-    layer_decay: float | None = Field(
-        None,
-        gt=0,
-        le=1,
-        description="Layer-wise lr decay: depth d of L trains at lr * layer_decay^(L - d) "
-        "(full and progressive_unfreezing).",
-    )
-    unfreeze_every_epochs: int = Field(
-        1, ge=1, description="progressive_unfreezing: epochs per stage (head, then one layer)."
-    )
-    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
-    lora: LoraSettings = Field(default_factory=LoraSettings)
-    prompt: PromptSettings = Field(default_factory=PromptSettings)
-
-    @model_validator(mode="after")
-    def _composes(self) -> StrategyConfig:
-        if self.layer_decay is not None and self.name not in ("full", "progressive_unfreezing"):
-            raise ValueError(
-                f"layer_decay scales the lr of the model's own layers, which {self.name} does "
-                "not train; use it with full or progressive_unfreezing"
-            )
-        if self.head_lr_mult != 1.0 and self.name == "feature_extraction":
-            raise ValueError(
-                "head_lr_mult has no effect with feature_extraction (only the head trains): "
-                "set the learning rate instead"
-            )
-        defaults = StrategyConfig.model_construct()
-        for field, owner in _OWNERS.items():
-            # Compared with the default (not `model_fields_set`): a dumped config, defaults
-            # included, must validate again (Ray workers, run records).
-            if getattr(self, field) != getattr(defaults, field) and self.name != owner:
-                raise ValueError(f"strategy.{field} only applies to name: {owner}, not {self.name}")
-        return self
 
 
 def head_prefixes_for(model: torch.nn.Module) -> tuple[str, ...]:
@@ -347,44 +300,51 @@ class StrategyPlan:
         self.stage = self.stage_for_epoch(epoch)
         return set_stage(self._groups, self.stage)
 
-    def merge_and_export_model(self) -> PreTrainedModel:
-        """The plain transformers model to save with `save_pretrained` (ends the plan).
-
-        LoRA is merged into the weights. Adapters are detached and the prompt of prompt
-        tuning is left out: `save_extras` writes them beside the export (docs/strategies.md).
-        """
+    def _end(self) -> None:
         if self._exported:
-            raise RuntimeError("merge_and_export_model was already called on this plan")
+            raise RuntimeError("the plan's model was already exported")
         self._exported = True
         for hook in self._hooks:
             hook.remove()
-        wrapper: Any = self.model  # a peft model for lora and prompt_tuning
+
+    def merge_and_export_model(self) -> PreTrainedModel:
+        """The plain transformers model to save with `save_pretrained` (ends the plan).
+
+        LoRA is merged into the weights.
+
+        Raises:
+            ValueError: the strategy cannot be merged (prompt_tuning, adapters): `save_export`.
+        """
+        if self.cfg.name not in MERGEABLE:
+            raise ValueError(f"{self.cfg.name} cannot be merged: save it with save_export")
+        self._end()
+        wrapper: Any = self.model  # a peft model for lora
         if self.cfg.name == "lora":
             return adapter_lib.quiet_peft(wrapper.merge_and_unload)  # type: ignore[no-any-return]
-        if self.cfg.name == "prompt_tuning":
-            return adapter_lib.unwrap_saved_modules(wrapper.get_base_model())  # type: ignore[return-value]
-        if self.cfg.name == "adapters":
-            adapter_lib.remove_adapters(self.model)
         return self.model  # type: ignore[return-value]
 
-    def save_extras(self, directory: Path) -> list[Path]:
-        """Write what `from_pretrained` cannot load (adapters, soft prompt); return the files."""
-        if self.cfg.name == "adapters":
-            return adapter_lib.save_adapters(self.extras["adapters"], self.cfg.adapter, directory)
-        if self.cfg.name == "prompt_tuning":
-            return adapter_lib.save_prompt(self.model, directory)
-        return []
+    def save_export(self, directory: Path) -> list[Path]:
+        """Write the trained model as `cfg.export` says to `directory` (ends the plan).
 
+        merged: `save_pretrained` of `merge_and_export_model()`. adapter: the frozen base model
+        in `base_model/` and, beside it, peft's adapter files (lora, prompt_tuning) or lmpipe's
+        `adapters.json` + `adapters.safetensors` (adapters), with the base's `config.json` at
+        the top and no weights there: a plain `from_pretrained` of the directory fails.
+        Load any of them with `training.finetune.adapters.load_finetuned`.
 
-def attach_saved_extras(model: PreTrainedModel, directory: Path) -> torch.nn.Module:
-    """Re-attach what `StrategyPlan.save_extras` wrote in `directory` to `model` loaded from it.
-
-    Returns `model` (with its adapters; untouched when there is nothing to attach), or a peft
-    prompt-tuning wrapper around it.
-    """
-    if (directory / adapter_lib.CONFIG_FILE).exists():
-        adapter_lib.load_adapters(model, directory)
-        return model
-    if (directory / adapter_lib.PROMPT_CONFIG).exists():
-        return adapter_lib.load_prompt(model, directory)
-    return model
+        Returns:
+            The files written.
+        """
+        if self.cfg.export_format() == "merged":
+            self.merge_and_export_model().save_pretrained(directory)
+            return sorted(p for p in directory.rglob("*") if p.is_file())
+        if self.cfg.name != "adapters":
+            self._end()
+            return adapter_lib.save_peft_export(self.model, directory)
+        self._end()
+        adapter_lib.remove_adapters(self.model)
+        base: Any = self.model  # the model without its adapters, with the trained head
+        base.save_pretrained(directory / BASE_MODEL_DIR)
+        shutil.copyfile(directory / BASE_MODEL_DIR / "config.json", directory / "config.json")
+        adapter_lib.save_adapters(self.extras["adapters"], self.cfg.adapter, directory)
+        return sorted(p for p in directory.rglob("*") if p.is_file())

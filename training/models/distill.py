@@ -17,33 +17,16 @@ from typing import Any
 
 import torch
 import transformers as tf
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from training.models.export import require_safetensors
-from training.registry.model_ref import BaseModelRef
+from training.pretrain.config import DistillConfig as DistillConfig
 
 log = logging.getLogger(__name__)
 
 
 class DistillationError(ValueError):
     """The teacher cannot teach this student: wrong family, vocabulary or tokenizer."""
-
-
-class DistillConfig(BaseModel):
-    """The teacher and the loss weights of distillation (`train.distillation`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    teacher: BaseModelRef = Field(
-        description="The BERT teacher: a local HF directory (`path`) or a registry version."
-    )
-    temperature: float = Field(2.0, gt=0, description="Softmax temperature of the soft targets.")
-    alpha_kd: float = Field(5.0, ge=0, description="Weight of the soft-target KL loss.")
-    alpha_mlm: float = Field(2.0, ge=0, description="Weight of the student's masked-LM loss.")
-    alpha_cos: float = Field(1.0, ge=0, description="Weight of the hidden-state cosine loss.")
-    student_layers: int | None = Field(
-        None, ge=1, description="Student depth; None: half the teacher's layers."
-    )
 
 
 class DistillationModel(nn.Module):

@@ -14,36 +14,13 @@ from typing import Any
 
 import torch
 import transformers as tf
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from training.models import presets
+from training.models.config import ElectraConfig as ElectraConfig
 from training.models.vocab import UNPADDED_VOCAB
 
 IGNORE_INDEX = -100
-
-
-class ElectraConfig(BaseModel):
-    """The generator and the loss weight of ELECTRA pretraining (`train.electra`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    generator_size: str | None = Field(
-        None,
-        description="Named generator size (training/models/presets.py electra_generator); None: "
-        "the "
-        "published generator of the discriminator's size.",
-    )
-    generator_overrides: dict[str, int | float | str | bool] = Field(
-        default_factory=dict,
-        description="ElectraConfig fields of the generator, over its preset (embedding_size is "
-        "always the discriminator's: the embeddings are shared).",
-    )
-    rtd_weight: float = Field(
-        50.0, gt=0, description="Weight of the discriminator loss against the generator MLM loss."
-    )
-    temperature: float = Field(
-        1.0, gt=0, description="Sampling temperature of the generator's replacements."
-    )
 
 
 class ElectraPretrainer(nn.Module):

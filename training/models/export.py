@@ -2,8 +2,10 @@
 
 Here: consolidating DeepSpeed checkpoints into fp32 weights (`gather_state_dict`), the model card
 (`ModelCard`, `render_card`, `read_card`), the atomic export (`export_model`), the reload check
-(`reload_check`) and the safetensors-only loader for user weights (`load_external_weights`).
-Not here: building models (`training/models/models.py`) and the MLflow registry
+(`reload_check`), the safetensors-only loader for user weights (`load_external_weights`), the
+layouts of a fine-tuned export (`export_layout`) and the loader of its peft layout
+(`load_peft_export`). Not here: building models (`training/models/models.py`), saving adapters
+and loading lmpipe's (`training/finetune/adapters.py`) and the MLflow registry
 (`training/registry/registry.py`).
 """
 
@@ -16,10 +18,11 @@ import math
 import shutil
 import tempfile
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -74,6 +77,14 @@ TASK_PIPELINES: dict[str, str] = {
 # Weight formats that unpickle on load, so can run code: never read from outside.
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"})
 _LOAD_KWARGS = ("local_files_only", "is_local")
+# A fine-tuned export saved as adapters keeps the frozen base model in this sub-folder, with no
+# weights at the top: a plain `from_pretrained` of the export fails instead of silently loading
+# the model without its adapters (docs/strategies.md, "Exports").
+BASE_MODEL_DIR = "base_model"
+PEFT_CONFIG_FILE = "adapter_config.json"  # peft's adapter directory (LoRA, prompt tuning)
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTERS_CONFIG_FILE = "adapters.json"  # lmpipe's bottleneck adapters
+ExportLayout = Literal["model", "peft", "adapters"]
 
 
 class ExportCheckError(RuntimeError):
@@ -251,6 +262,49 @@ def assert_safetensors_only(hf_dir: Path) -> None:
         raise UnsafeWeightsError(f"{hf_dir} holds pickle weight files: {pickles}")
 
 
+def export_layout(hf_dir: Path) -> ExportLayout:
+    """How a fine-tuned export is saved: one model, or its base plus a peft or lmpipe adapter.
+
+    `model`: a plain transformers directory. `peft`: `adapter_config.json` and
+    `adapter_model.safetensors` beside the base model in `base_model/`. `adapters`: lmpipe's
+    bottleneck adapters (`adapters.json`, `adapters.safetensors`) beside `base_model/`.
+    """
+    if (hf_dir / PEFT_CONFIG_FILE).is_file():
+        return "peft"
+    if (hf_dir / ADAPTERS_CONFIG_FILE).is_file():
+        return "adapters"
+    return "model"
+
+
+def load_peft_export(hf_dir: Path, task_type: str) -> Any:
+    """Load a peft adapter export offline, from any working directory: a peft model.
+
+    The base model is loaded from `base_model/` and given to peft, not looked up through the
+    adapter's relative `base_model_name_or_path` (which peft resolves against the working
+    directory).
+
+    Raises:
+        UnsafeWeightsError: a pickle weights file, or no `adapter_model.safetensors`.
+    """
+    import peft  # seconds to import; only adapter exports need it
+
+    assert_safetensors_only(hf_dir)
+    if not (hf_dir / PEFT_WEIGHTS_FILE).is_file():
+        raise UnsafeWeightsError(f"{hf_dir} has no {PEFT_WEIGHTS_FILE} (no other is read)")
+    base_dir = hf_dir / BASE_MODEL_DIR
+    require_safetensors(base_dir)
+    base = TASK_AUTO_CLASSES[task_type].from_pretrained(
+        base_dir, local_files_only=True, use_safetensors=True
+    )
+    with warnings.catch_warnings():  # peft calls `is_gradient_checkpointing`, a v5 alias
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        # peft reads adapter_model.safetensors when it is there (checked above); it passes
+        # `use_safetensors` on unread, stated for the static check of loading calls.
+        return peft.PeftModel.from_pretrained(
+            base, str(hf_dir), local_files_only=True, use_safetensors=True
+        )
+
+
 def _save_tokenizer(model: PreTrainedModel, tokenizer_dir: Path, dst: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     tok.model_max_length = max_length(model, default=tok.model_max_length)
@@ -312,8 +366,15 @@ def load_export(
 
     Raises:
         UnsafeWeightsError: The directory has only pickle weights.
-        ExportCheckError: The weights do not match the family's model.
+        ExportCheckError: The weights do not match the family's model, or the directory is an
+            adapter export (load that with `training.finetune.adapters.load_finetuned`).
     """
+    layout = export_layout(hf_dir)
+    if layout != "model":
+        raise ExportCheckError(
+            f"{hf_dir} is a {layout} adapter export (its base model is in {BASE_MODEL_DIR}/): "
+            "load it with training.finetune.adapters.load_finetuned"
+        )
     require_safetensors(hf_dir)  # before transformers looks at the directory at all
     auto = AUTO_CLASSES[family] if task_type is None else TASK_AUTO_CLASSES[task_type]
     model, info = auto.from_pretrained(

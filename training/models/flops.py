@@ -78,9 +78,39 @@ def flops_per_token(
     projection = model.get_submodule(_OUTPUT_LAYER[family])
     assert isinstance(projection, nn.Linear)
     output = projection.weight  # (V, d)
-    rows = getattr(model_config, UNPADDED_VOCAB, None) or output.shape[0]
-    head = 6.0 * rows * output.shape[1]  # padded rows are not useful work
-    width = float(model_config.num_attention_heads * _head_dim(model_config))
+    if objective in SEQ2SEQ_OBJECTIVES:
+        if target_len is None:
+            raise ValueError(f"flops_per_token for {objective} needs target_len")
+        return _seq2seq_flops(model, model_config, output, seq_len, target_len)
+    predicted = mlm_probability if objective in MLM_OBJECTIVES and sparse_mlm else 1.0
+    if family == "electra":
+        predicted = 1.0  # the discriminator labels every token
+    context = _attended(model_config, seq_len)
+    attention = 12.0 * int(model_config.num_hidden_layers) * _width(model_config) * context
+    body = 6.0 * _compute_parameters(model, output) + attention
+    extra = _companion_flops(generator, teacher, seq_len, mlm_probability, sparse_mlm)
+    return body + _head_flops(model_config, output) * predicted + extra
+
+
+def _head_flops(config: tf.PreTrainedConfig, output: Tensor) -> float:
+    """FLOPs of the vocabulary projection per predicted token, over the real vocabulary only."""
+    rows = getattr(config, UNPADDED_VOCAB, None) or output.shape[0]
+    return 6.0 * rows * output.shape[1]  # padded rows are not useful work
+
+
+def _width(config: tf.PreTrainedConfig) -> float:
+    """A = heads * head width: the attention term's width."""
+    return float(config.num_attention_heads * _head_dim(config))
+
+
+def _companion_flops(
+    generator: tf.PreTrainedConfig | None,
+    teacher: tf.PreTrainedConfig | None,
+    seq_len: int,
+    mlm_probability: float,
+    sparse_mlm: bool,
+) -> float:
+    """ELECTRA's generator (sparse MLM) and a distillation teacher's forward pass, per token."""
     extra = 0.0
     if generator is not None:
         extra += flops_per_token(
@@ -90,25 +120,33 @@ def flops_per_token(
         teacher_mlm = flops_per_token(
             teacher, seq_len, "roberta", mlm_probability=mlm_probability, sparse_mlm=sparse_mlm
         )
-        extra += teacher_mlm / 3.0
-    if objective not in SEQ2SEQ_OBJECTIVES:
-        predicted = mlm_probability if objective in MLM_OBJECTIVES and sparse_mlm else 1.0
-        if family == "electra":
-            predicted = 1.0  # the discriminator labels every token
-        context = _attended(model_config, seq_len)
-        attention = 12.0 * int(model_config.num_hidden_layers) * width * context
-        return 6.0 * _compute_parameters(model, output) + attention + head * predicted + extra
-    if target_len is None:
-        raise ValueError(f"flops_per_token for {objective} needs target_len")
+        extra += teacher_mlm / 3.0  # forward only: a third of its training FLOPs
+    return extra
+
+
+def _seq2seq_flops(
+    model: nn.Module,
+    config: tf.PreTrainedConfig,
+    output: Tensor,
+    seq_len: int,
+    target_len: int,
+) -> float:
+    """Encoder-decoder FLOPs per encoder token: the decoder runs `target_len / seq_len` tokens.
+
+    The decoder's self-attention spans `target_len`, its cross-attention `seq_len`.
+    """
+    family = family_of(config)
     prefix = "model." if family == "bart" else ""
     layers = (
-        (int(model_config.num_layers), int(model_config.num_decoder_layers))
+        (int(config.num_layers), int(config.num_decoder_layers))
         if family == "t5"
-        else (int(model_config.encoder_layers), int(model_config.decoder_layers))
+        else (int(config.encoder_layers), int(config.decoder_layers))
     )
+    width = _width(config)
     encoder = 6.0 * _body_parameters(model.get_submodule(f"{prefix}encoder"), output)
     encoder += 12.0 * layers[0] * width * seq_len
-    decoder = 6.0 * _body_parameters(model.get_submodule(f"{prefix}decoder"), output) + head
+    decoder = 6.0 * _body_parameters(model.get_submodule(f"{prefix}decoder"), output)
+    decoder += _head_flops(config, output)
     decoder += 12.0 * layers[1] * width * (target_len + seq_len)
     return encoder + decoder * target_len / seq_len
 

@@ -17,40 +17,17 @@ from typing import Any, Literal
 import torch
 import transformers as tf
 from huggingface_hub.errors import StrictDataclassError
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tasks.common.schema import ObjectiveMismatchError
 from training.models import presets
+from training.models.config import ALIASES as ALIASES
+from training.models.config import Family as Family
+from training.models.config import ModelConfig as ModelConfig
+from training.models.config import Size as Size
+from training.models.config import Value as Value
 from training.models.vocab import pad_vocab
 
-Family = Literal[
-    "bert",
-    "roberta",
-    "gpt2",
-    "llama",
-    "t5",
-    "albert",
-    "distilbert",
-    "electra",
-    "deberta-v2",
-    "bart",
-    "mistral",
-    "mixtral",
-    "xlm-roberta",
-    "longformer",
-    "big_bird",
-]
-Size = Literal["tiny", "mini", "small", "base", "large"]
-Value = int | float | str | bool
 Kind = Literal["encoder", "decoder", "seq2seq"]
-
-#: Friendlier names accepted for `model.family`; a family's own name is its transformers
-#: `model_type`, so an export's config.json names its family.
-ALIASES: dict[str, Family] = {
-    "deberta": "deberta-v2",
-    "xlmr": "xlm-roberta",
-    "bigbird": "big_bird",
-}
 
 #: Attention kernel of every model we build: unlike flash attention, SDPA (like eager) honours
 #: the custom 4-D document mask of packed causal blocks (training/pretrain/packing.py).
@@ -242,52 +219,6 @@ PAD_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "longformer"})
 
 class ModelConfigError(ValueError):
     """The model section (size, overrides) does not fit the tokenizer or the examples."""
-
-
-class ModelConfig(BaseModel):
-    """Which model to pretrain: a family, a named size, and any transformers config field."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    family: Family = Field(
-        "bert",
-        description="Architecture (docs/models.md): bert (MLM + NSP/SOP), albert (MLM + SOP), "
-        "roberta, xlm-roberta, distilbert, deberta-v2, longformer, big_bird (MLM), electra "
-        "(replaced-token detection), gpt2, llama, mistral, mixtral (causal LM), t5 (span "
-        "corruption), bart (denoising). Aliases: deberta, xlmr, bigbird.",
-    )
-    size: Size = Field(
-        "tiny", description="Named shape preset (docs/models.md); tiny is for tests and demos."
-    )
-    overrides: dict[str, Value] = Field(
-        default_factory=dict,
-        description="Any field of the transformers config, e.g. {num_hidden_layers: 4}; "
-        "wins over the size preset.",
-    )
-    activation_checkpointing: bool = Field(
-        False,
-        description="Recompute activations in the backward pass (gradient checkpointing) to "
-        "save memory on large models.",
-    )
-    dropout: float | None = Field(
-        None,
-        ge=0,
-        le=1,
-        description="Override every dropout probability of the family (None: the preset's).",
-    )
-    pad_vocab_to_multiple_of: int = Field(
-        64,
-        ge=1,
-        le=4096,
-        description="Embedding and output rows are padded up to a multiple of this, so the "
-        "vocabulary matmuls run on tensor-core shapes (Megatron's "
-        "make-vocab-size-divisible-by); the padded rows are masked out of every loss and "
-        "prediction and cut off at export. 1 pads nothing.",
-    )
-
-    @field_validator("family", mode="before")
-    @classmethod
-    def _alias(cls, value: Any) -> Any:
-        return ALIASES.get(value, value) if isinstance(value, str) else value
 
 
 def check_objective(family: Family, objective: str) -> None:

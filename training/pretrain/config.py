@@ -3,7 +3,9 @@
 The DeepSpeed dict is derived from this (`training/runtime/deepspeed.py`), never hand-written; extra
 DeepSpeed keys can still be passed through `deepspeed_extra`. What `precision: auto` means on this
 machine (`cpu_has_native_bf16`, `resolve_auto_precision`) and when bf16 is refused
-(`emulated_bf16_problem`) live here too; fine-tuning uses the same rules.
+(`emulated_bf16_problem`) live here too; fine-tuning uses the same rules. So does the
+`train.distillation` section (`DistillConfig`, re-exported by `training/models/distill.py`), so
+that a recipe validates without importing torch (`lmpipe config`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic.functional_validators import ModelWrapValidatorHandler
 
-from training.models.distill import DistillConfig
-from training.models.electra import ElectraConfig
-from training.models.models import ModelConfig
+from training.models.config import ElectraConfig, ModelConfig
 from training.pretrain.length_schedule import LengthSchedule
+from training.registry.model_ref import BaseModelRef
 
 # Linux /proc/cpuinfo flags of native bf16 matrix instructions: AVX512-BF16 and AMX-BF16.
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
@@ -142,6 +143,22 @@ def auto_precision_data(data: Any, default: str = "auto") -> tuple[Any, str | No
     )
     precision, reason = resolve_auto_precision(use_gpu)
     return {**data, "precision": precision}, reason
+
+
+class DistillConfig(BaseModel):
+    """The teacher and the loss weights of distillation (`train.distillation`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    teacher: BaseModelRef = Field(
+        description="The BERT teacher: a local HF directory (`path`) or a registry version."
+    )
+    temperature: float = Field(2.0, gt=0, description="Softmax temperature of the soft targets.")
+    alpha_kd: float = Field(5.0, ge=0, description="Weight of the soft-target KL loss.")
+    alpha_mlm: float = Field(2.0, ge=0, description="Weight of the student's masked-LM loss.")
+    alpha_cos: float = Field(1.0, ge=0, description="Weight of the hidden-state cosine loss.")
+    student_layers: int | None = Field(
+        None, ge=1, description="Student depth; None: half the teacher's layers."
+    )
 
 
 class OptimConfig(BaseModel):

@@ -22,7 +22,8 @@ from tokenizers import Tokenizer
 
 from tasks.common import schema
 from tasks.common.io import read_ipc_stream, safe_join, sha256_file
-from tasks.examples.objectives import MaskConfig, mask_tokens, sample_keys, word_start_table
+from tasks.examples.objectives.masking import MaskConfig, mask_tokens, word_start_table
+from tasks.examples.objectives.rng import sample_keys
 from training.pretrain.length_schedule import rows_at_length
 from training.pretrain.packing import document_ids, document_positions
 

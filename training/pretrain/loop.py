@@ -40,9 +40,9 @@ from training.pretrain.data import (
     sequence_length,
 )
 from training.pretrain.length_schedule import check_length_schedule, length_at
+from training.pretrain.loss_common import StepOutput
 from training.pretrain.losses import (
     SEQ2SEQ_OBJECTIVES,
-    StepOutput,
     export_loss,
     exported_model,
     pretraining_loss,
@@ -54,6 +54,7 @@ from training.runtime.context import RayWorkerContext, WorkerContext
 from training.runtime.deepspeed import deepspeed_config, param_groups
 from training.runtime.engine import DeviceUpdate, autocast_for, initialize_deepspeed
 from training.runtime.guard import LossGuard
+from training.runtime.progress import connect_progress
 from training.runtime.schedule import GroupLRSchedule
 from training.runtime.telemetry import StepMeter, Telemetry
 
@@ -74,6 +75,7 @@ class WorkerJob(BaseModel):
     stop_at_step: int | None = None  # end this attempt after that step, with a checkpoint
     fault: faults.FaultPlan | None = None  # the reliability suite's injected SIGKILL
     teacher_dir: Path | None = None  # distillation: the resolved local teacher
+    progress: str | None = None  # the driver's progress sink (training/runtime/progress.py)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -168,6 +170,7 @@ class Worker:
         if ctx.rank == 0 and job.tracking_uri and job.run_id:
             tracker = MlflowTracker(job.tracking_uri, job.run_id)
         self.telemetry = Telemetry(self.cfg, ctx, tracker, flops_at(length), flops_at)
+        self.progress = connect_progress(job.progress, ctx.rank, self.cfg.max_steps)
         self.step, self.cursor, self.tokens_seen = 0, Cursor(), 0
         torch.manual_seed(_seed_for(job.seed, ctx.rank))  # dropout differs across ranks
 
@@ -295,6 +298,7 @@ class Worker:
                 self.save(metrics)
             elif evaluate:
                 self.ctx.report({"step": self.step, **metrics}, None)
+        self.progress.close()
         return metrics
 
     def train_step(self) -> None:
@@ -324,6 +328,9 @@ class Worker:
         self.cursor = after
         self.step += 1
         self._fault("step")
+        # Host values only: the step's samples (all ranks) and their token positions.
+        samples = self.cfg.global_batch_size
+        self.progress.step(self.step, samples=samples, tokens=samples * length)
         if grad_norm is None:  # ZeRO computes the norm inside its step
             grad_norm = self.engine.get_global_grad_norm()
         if self.telemetry.record(self.step, meter, lr, grad_norm, skip, record, length):
@@ -332,8 +339,12 @@ class Worker:
             self._log_sample_ids(np.concatenate(micro))
 
     def flush(self) -> None:
-        """Read the steps recorded since the last flush: log them and replay the guard."""
+        """Read the steps recorded since the last flush: log, replay the guard, show the loss."""
+        if not self.telemetry.pending:
+            return
         self.tokens_seen += int(self.telemetry.flush(self.guard.replay))
+        row = self.telemetry.latest  # read just now: showing it costs no synchronisation
+        self.progress.log(int(row["step"]), {k: row[k] for k in ("loss", "lr") if k in row})
 
     def _seq_len(self) -> int:
         """This step's sequence length: `train.length_schedule`'s, else the examples' own."""
@@ -358,7 +369,9 @@ class Worker:
                     )
                 meter.add(out, batch)
         self.engine.module.train()
-        return self.telemetry.evaluation(self.step, meter)
+        metrics = self.telemetry.evaluation(self.step, meter)
+        self.progress.log(self.step, {"eval_loss": metrics["eval_loss"]})
+        return metrics
 
     def save(self, metrics: dict[str, float]) -> None:
         """Commit a checkpoint (shards, RNG, then meta.json last), report it, prune old ones."""

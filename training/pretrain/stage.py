@@ -47,6 +47,7 @@ from training.registry.tracking import MlflowTracker, TrackingConfig, open_run, 
 from training.runtime import checkpoint as ckpt
 from training.runtime.faults import FaultPlan
 from training.runtime.launcher import TrainingRun, run_id_for, run_training, storage_root
+from training.runtime.progress import ProgressSpec, artifact_key
 
 log = logging.getLogger(__name__)
 
@@ -177,13 +178,15 @@ def pretrain_stage(
     resume: bool = False,
     stop_at_step: int | None = None,
     fault: FaultPlan | None = None,
+    progress: ProgressSpec | None = None,
 ) -> dict[str, Any]:
     """Train (or reuse a finished run), export, check the export and register it.
 
     Returns a summary: run directory, checkpoint, export directory, MLflow run id, registered
     model version, final metrics. A stopped run (`stop_at_step`) is neither exported nor
     registered; resume it with `resume=True`. `fault` injects one SIGKILL of a worker
-    (training/runtime/faults.py; the reliability suite's).
+    (training/runtime/faults.py; the reliability suite's). `progress`: how this process shows
+    the training's progress (None: not at all).
     """
     uri = tracking.tracking_uri if tracking.enabled else None
     teacher_dir = None
@@ -221,6 +224,7 @@ def pretrain_stage(
             stop_at_step=stop_at_step,
             fault=fault,
             teacher_dir=teacher_dir,
+            progress=progress,
         )
         summary = _summary(run) | {"mlflow_run_id": mlflow_run}
         if run.finished:
@@ -292,8 +296,15 @@ def pretrain_task(
     run_name: str,
     resume: bool = False,
 ) -> dict[str, Any]:
-    """Prefect task: `pretrain_stage` on paths (a finished, registered run is reused)."""
-    get_run_logger().info("pretraining: %s", cfg.precision_choice())  # shown on the console
+    """Prefect task: `pretrain_stage` on paths (a finished, registered run is reused).
+
+    The training's progress is a live line on a terminal, else a log line per
+    `train.log_every_steps`, and a Prefect progress artifact.
+    """
+    logger = get_run_logger()
+    logger.info("pretraining: %s", cfg.precision_choice())  # shown on the console
+    title = f"pretrain {cfg.model.family}-{cfg.model.size}"
+    progress = ProgressSpec(title, logger, artifact_key(f"{run_name}-pretrain-progress"))
     return pretrain_stage(
         cfg,
         seed,
@@ -304,4 +315,5 @@ def pretrain_task(
         tracking,
         run_name,
         resume=resume,
+        progress=progress,
     )

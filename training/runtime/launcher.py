@@ -24,6 +24,7 @@ from training.pretrain.loop import WorkerJob, train_loop_per_worker
 from training.runtime import checkpoint as ckpt
 from training.runtime.context import torch_backend
 from training.runtime.faults import FaultPlan
+from training.runtime.progress import ProgressSpec, driver_progress
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,12 @@ def run_training(
     stop_at_step: int | None = None,
     fault: FaultPlan | None = None,
     teacher_dir: Path | None = None,
+    progress: ProgressSpec | None = None,
 ) -> TrainingRun:
     """Train on Ray Train with DeepSpeed until `max_steps` (or `stop_at_step`).
 
-    `teacher_dir` is the resolved local teacher of a distillation run (`train.distillation`).
+    `teacher_dir` is the resolved local teacher of a distillation run (`train.distillation`);
+    `progress` how this driver shows the run's progress (None: not at all).
 
     Raises:
         RunStateError: the run stopped earlier and `resume` is False.
@@ -124,7 +127,7 @@ def run_training(
         fault=fault,
         teacher_dir=teacher_dir.resolve() if teacher_dir is not None else None,
     )
-    _fit(job, root, run_id, ray_cfg)
+    _fit(job, root, run_id, ray_cfg, progress)
     last = ckpt.find_resumable(run_dir, None, run_id)
     if last is None:
         raise RuntimeError(f"{run_dir}: training ended without a valid checkpoint")
@@ -132,10 +135,11 @@ def run_training(
     return TrainingRun(run_dir, last.path, last.meta, mlflow_run_id, finished)
 
 
-def _fit(job: WorkerJob, root: Path, run_id: str, ray_cfg: RayConfig) -> None:
-    fit_on_ray(
-        train_loop_per_worker, job.model_dump(mode="json"), job.train.scale, root / run_id, ray_cfg
-    )
+def _fit(
+    job: WorkerJob, root: Path, run_id: str, ray_cfg: RayConfig, progress: ProgressSpec | None
+) -> None:
+    config = job.model_dump(mode="json")
+    fit_on_ray(train_loop_per_worker, config, job.train.scale, root / run_id, ray_cfg, progress)
 
 
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
@@ -158,20 +162,45 @@ def fit_on_ray(
     scale: ScaleConfig,
     run_dir: Path,
     ray_cfg: RayConfig,
+    progress: ProgressSpec | None = None,
 ) -> None:
     """Run `loop(loop_config)` on `scale.num_workers` Ray Train workers; `run_dir` is theirs.
 
     Checkpoints are written in place by the loop (`RayWorkerContext`) and pruned by lmpipe.
+    With `progress`, this driver shows what rank 0 reports (`training/runtime/progress.py`):
+    the loop finds the sink at `loop_config["progress"]`, a field of its job model.
 
     Raises:
         RuntimeError: training failed after `scale.max_failures` restarts.
     """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    import ray.train
 
     ensure_ray(ray_cfg)
     set_report_poll(scale)
-    trainer = TorchTrainer(
+    with driver_progress(progress) as address:
+        config = loop_config if address is None else loop_config | {"progress": address}
+        trainer = _trainer(loop, config, scale, run_dir)
+        try:
+            result = trainer.fit()
+        except ray.train.TrainingFailedError as exc:
+            raise RuntimeError(
+                f"training failed after {scale.max_failures} restart(s) "
+                f"(train.scale.max_failures) in {run_dir}: {exc}"
+            ) from exc
+    if result.error is not None:
+        raise RuntimeError(f"training failed: {result.error}") from result.error
+
+
+def _trainer(
+    loop: Callable[[dict[str, Any]], None],
+    loop_config: dict[str, Any],
+    scale: ScaleConfig,
+    run_dir: Path,
+) -> Any:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    return TorchTrainer(
         loop,
         train_loop_config=loop_config,
         scaling_config=ScalingConfig(
@@ -192,14 +221,3 @@ def fit_on_ray(
             failure_config=FailureConfig(max_failures=scale.max_failures),
         ),
     )
-    import ray.train
-
-    try:
-        result = trainer.fit()
-    except ray.train.TrainingFailedError as exc:
-        raise RuntimeError(
-            f"training failed after {scale.max_failures} restart(s) (train.scale.max_failures) "
-            f"in {run_dir}: {exc}"
-        ) from exc
-    if result.error is not None:
-        raise RuntimeError(f"training failed: {result.error}") from result.error

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from tasks.common import schema
-from training.pretrain.losses import StepOutput, eval_metrics
+from training.pretrain.loss_common import StepOutput
+from training.pretrain.losses import eval_metrics
 from training.registry.tracking import NullTracker, Tracker
 
 if TYPE_CHECKING:
@@ -204,6 +205,7 @@ class Telemetry:
             self.steps_file.parent.mkdir(parents=True, exist_ok=True)
         self.eval_history: list[tuple[int, float]] = []
         self.pending: list[_PendingStep] = []
+        self.latest: dict[str, float] = {}  # the last step `flush` read: step, loss, lr, ...
         self.last = time.perf_counter()
 
     def resumed(self, step: int) -> None:
@@ -260,6 +262,7 @@ class Telemetry:
                 rows.append(self._row(item, values, local, elapsed))
         finally:
             self._write(rows)
+        self.latest = rows[-1]
         return tokens
 
     def _row(

@@ -14,8 +14,10 @@ import yaml
 from pipelines.config import RunConfig, load_config
 from tasks.common import schema
 from tasks.common.io import read_ipc_stream
-from tasks.examples.examples import ExamplesConfig, encoded_docs
-from tasks.examples.objectives import MaskConfig, mask_tokens, sample_keys
+from tasks.examples.config import ExamplesConfig
+from tasks.examples.documents import encoded_docs
+from tasks.examples.objectives.masking import MaskConfig, mask_tokens
+from tasks.examples.objectives.rng import sample_keys
 from tasks.examples.stage import run_examples
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -356,7 +358,7 @@ def _batch(rows: pa.Table, objective: str, manifest: dict[str, Any], vocab: int)
 
 
 def test_objective_without_its_tokens_is_refused(recipe: Path) -> None:
-    from tasks.examples.stage import ObjectiveMismatchError
+    from tasks.common.schema import ObjectiveMismatchError
 
     run = stages(recipe, "examples.dupe_factor=3")
     cfg = ExamplesConfig(objective="span_corruption")

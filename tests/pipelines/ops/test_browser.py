@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from serving import stop_group, wait_for_deployment
 
-from pipelines.ops.servers import ServersConfig, ServerState, start_servers, stop_servers
+from pipelines.ops.server_processes import ServerState
+from pipelines.ops.servers import start_servers, stop_servers
+from pipelines.ops.servers_config import ServersConfig
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver

@@ -460,6 +460,8 @@ def test_submit_tiny_pipeline_to_two_node_cluster_registers_model(
     logs = ray_cluster.run([*ray_cli, "logs", *where])
     assert logs.returncode == 0, logs.stderr[-3000:]
     assert "registered model (pretrain): cluster-demo-bert version 1" in logs.stdout
+    # No terminal on a cluster: the pretraining's progress is in the job's log, line by line.
+    assert "pretrain bert-tiny: done at step 4/4" in logs.stdout
 
 
 # --- pure helpers (no cluster) ----------------------------------------------------------------

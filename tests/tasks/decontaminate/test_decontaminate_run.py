@@ -213,6 +213,21 @@ def test_rerun_reuses_the_output_without_touching_a_file(
 
 @pytest.mark.slow
 @pytest.mark.integration
+def test_reuse_sweeps_what_interrupted_work_left_inside_the_output(
+    ingested: StageResult, task_yaml: Path, tmp_path: Path
+) -> None:
+    first = run_decontaminate(enabled(task_yaml), ingested.path, tmp_path)
+    listed = {p.name: p.read_bytes() for p in first.path.iterdir()}
+    (first.path / "_staging").mkdir()
+    (first.path / "_staging" / "part.json").write_text("{}")
+    (first.path / f".{REMOVED_FILE}.tmp-999999-0123abcd").write_bytes(b"half a file")
+    second = run_decontaminate(enabled(task_yaml), ingested.path, tmp_path)
+    assert second.reused
+    assert {p.name: p.read_bytes() for p in second.path.iterdir()} == listed
+
+
+@pytest.mark.slow
+@pytest.mark.integration
 def test_another_n_builds_another_output(
     ingested: StageResult, task_yaml: Path, tmp_path: Path
 ) -> None:

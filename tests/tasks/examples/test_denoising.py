@@ -19,25 +19,21 @@ from scipy import stats
 from tokenizers import Tokenizer
 
 from tasks.common import schema
+from tasks.common.schema import ObjectiveMismatchError
 from tasks.encode.encode import encode_documents
-from tasks.examples.examples import (
-    EncodedDocs,
-    ExamplesConfig,
-    ShardContext,
-    cut_examples,
-    encoded_docs,
-    sentence_chunks,
-    sentence_rows,
-)
-from tasks.examples.objectives import (
+from tasks.examples.config import ExamplesConfig
+from tasks.examples.cutting import sentence_chunks, sentence_rows
+from tasks.examples.documents import EncodedDocs, encoded_docs
+from tasks.examples.examples import ShardContext, cut_examples
+from tasks.examples.objectives.denoising import (
     DenoisingConfig,
     InfillResult,
     permute_sentences,
     poisson_span_lengths,
-    sample_keys,
     text_infill,
 )
-from tasks.examples.stage import ObjectiveMismatchError, objective_specials
+from tasks.examples.objectives.rng import sample_keys
+from tasks.examples.specials import objective_specials
 from tasks.tokenizer.tokenizer import TokenizerConfig, special_tokens, train_tokenizer
 
 BOS, PAD, EOS, MASK = 0, 1, 2, 3

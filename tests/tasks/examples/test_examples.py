@@ -5,15 +5,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.examples.examples import (
-    EncodedDocs,
-    ExamplesConfig,
-    causal_blocks,
-    document_pairs,
-    example_rng,
-    full_sentences,
-    raw_chunks,
-)
+from tasks.examples.config import ExamplesConfig
+from tasks.examples.cutting import causal_blocks, full_sentences, raw_chunks
+from tasks.examples.documents import EncodedDocs
+from tasks.examples.examples import example_rng
+from tasks.examples.pairs import document_pairs
 from tasks.tokenizer.tokenizer import PretrainedFiles, TokenizerConfig, load_tokenizer_files
 
 

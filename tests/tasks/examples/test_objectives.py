@@ -19,29 +19,28 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from tasks.examples.objectives import (
+from tasks.examples.objectives.masking import (
     IGNORE_INDEX,
     MaskConfig,
-    SpanConfig,
     _choose_by_rank,
     _greedy_fill,
-    _hash32,
-    _row_bases,
-    counter_uniform,
+    mask_tokens,
+    num_to_predict,
+    word_start_table,
+)
+from tasks.examples.objectives.rng import counter_uniform, hash32, row_bases, sample_keys
+from tasks.examples.objectives.spans import (
+    SpanConfig,
     drop_noise_tokens,
     drop_nonnoise_tokens,
-    mask_tokens,
     noise_span_mask,
     noise_span_to_sentinel,
     noise_span_to_unique_sentinel,
     noise_token_to_sentinel,
     nonnoise_span_to_sentinel,
     nonnoise_span_to_unique_sentinel,
-    num_to_predict,
     random_spans_helper,
-    sample_keys,
     span_corrupt,
-    word_start_table,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -142,7 +141,7 @@ def test_counter_streams_and_neighbouring_samples_are_uncorrelated() -> None:
 
 def test_hash32_rows_are_distinct_uniform_and_uncorrelated() -> None:
     keys = sample_keys(0, 0, np.arange(20_001))  # consecutive indices: the hardest case
-    h = _hash32(_row_bases(keys, 1)[:, None], np.arange(64)[None, :])  # (N, 64) uint32
+    h = hash32(row_bases(keys, 1)[:, None], np.arange(64)[None, :])  # (N, 64) uint32
     assert h.dtype == np.uint32
     assert all(np.unique(row).size == row.size for row in h[:500])  # a bijection of the column
     counts = np.bincount((h >> np.uint32(24)).ravel(), minlength=256)  # the top byte
@@ -152,7 +151,7 @@ def test_hash32_rows_are_distinct_uniform_and_uncorrelated() -> None:
     for bit in (0, 7, 16, 31):  # low bits too, though priorities use only the high ones
         ones = float(((h >> np.uint32(bit)) & np.uint32(1)).mean())
         assert_within_4_se(ones, 0.5, math.sqrt(0.25 / h.size))
-    other = _hash32(_row_bases(keys, 2)[:, None], np.arange(64)[None, :])
+    other = hash32(row_bases(keys, 2)[:, None], np.arange(64)[None, :])
     top = h >> np.uint32(28)  # joint law of the top 4 bits of neighbours: 256 equal cells
     for x, y in ((top[:-1], top[1:]), (top[:, :-1], top[:, 1:]), (top, other >> np.uint32(28))):
         pairs = np.bincount((x * np.uint32(16) + y).ravel(), minlength=256)
@@ -674,10 +673,9 @@ def test_span_corrupt_row_results_do_not_depend_on_the_batch() -> None:
 FINGERPRINT = """
 import hashlib
 import numpy as np
-from tasks.examples.objectives import (
-    MaskConfig, SpanConfig, counter_uniform, mask_tokens, sample_keys, span_corrupt,
-    word_start_table,
-)
+from tasks.examples.objectives.masking import MaskConfig, mask_tokens, word_start_table
+from tasks.examples.objectives.rng import counter_uniform, sample_keys
+from tasks.examples.objectives.spans import SpanConfig, span_corrupt
 
 def fingerprint():
     h = hashlib.sha256()

@@ -233,6 +233,20 @@ def test_tokenizer_stage_records_the_shares_and_keys_its_output_on_the_sampling(
     assert "language_sampling" not in result.manifest  # off: the corpus as it is
 
 
+def test_tokenizer_stage_reuse_sweeps_what_interrupted_work_left_inside_the_output(
+    tmp_path: Path,
+) -> None:
+    ingest = write_ingest_output(tmp_path / "ingest", corpus(synthetic_docs()))
+    cfg = TokenizerConfig(family="bpe", vocab_size=300, min_frequency=1)
+    first = run_tokenizer(cfg, ingest, tmp_path / "ws")
+    listed = {p.name: p.read_bytes() for p in first.path.iterdir()}
+    (first.path / "_staging").mkdir()
+    (first.path / ".tokenizer.json.tmp-999999-0123abcd").write_bytes(b"half a file")
+    second = run_tokenizer(cfg, ingest, tmp_path / "ws")
+    assert second.reused
+    assert {p.name: p.read_bytes() for p in second.path.iterdir()} == listed
+
+
 def test_tokenizer_task_logs_each_languages_realised_share(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,11 +11,11 @@ import torch
 import transformers as tf
 from pydantic import ValidationError
 
+from training.finetune.adapters import load_finetuned
 from training.finetune.strategies import (
     StrategyConfig,
     StrategyPlan,
     apply_strategy,
-    attach_saved_extras,
     head_prefixes_for,
     layer_index,
 )
@@ -435,7 +435,6 @@ def test_lora_export_is_a_plain_model_with_the_trained_outputs(family: str, tmp_
     assert type(reloaded) is type(model)
     assert not any("lora" in n or "modules_to_save" in n for n in reloaded.state_dict())
     assert torch.allclose(logits_of(reloaded, batch), expected, atol=1e-5)
-    assert plan.save_extras(tmp_path) == []
 
 
 def test_prompt_tuning_export_round_trip_gives_identical_logits(tmp_path: Path) -> None:
@@ -446,11 +445,10 @@ def test_prompt_tuning_export_round_trip_gives_identical_logits(tmp_path: Path) 
     train_steps(plan, batch)
     expected = logits_of(plan.model, batch)
 
-    plan.merge_and_export_model().save_pretrained(tmp_path)
-    files = plan.save_extras(tmp_path)
-    restored = attach_saved_extras(SEQ_CLS.from_pretrained(tmp_path), tmp_path)
+    files = plan.save_export(tmp_path)
+    restored = load_finetuned(tmp_path, "classification")
 
-    assert sorted(f.name for f in files) == ["prompt.json", "prompt.safetensors"]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {f.name for f in files}
     assert torch.equal(logits_of(restored, batch), expected)
 
 

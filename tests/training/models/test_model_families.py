@@ -25,7 +25,8 @@ from training.models.export import DataRef, ModelCard, TokenizerRef, export_mode
 from training.models.models import FAMILIES, OBJECTIVES, Family
 from training.models.pretraining_model import build_pretraining_model, zero3_leaf_modules
 from training.pretrain.config import TrainConfig
-from training.pretrain.losses import causal_logits, export_loss, exported_model, pretraining_loss
+from training.pretrain.decoder_losses import causal_logits
+from training.pretrain.losses import export_loss, exported_model, pretraining_loss
 from training.pretrain.packing import causal_document_mask
 
 _TOKENIZER = {

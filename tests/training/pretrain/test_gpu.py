@@ -29,7 +29,8 @@ from training.models.pretraining_model import build_pretraining_model
 from training.models.vocab import unpad_vocab
 from training.pretrain.config import TrainConfig
 from training.pretrain.loop import EVAL_EPOCH
-from training.pretrain.losses import ATTENTION_MASK, exported_model, pretraining_loss
+from training.pretrain.loss_common import ATTENTION_MASK
+from training.pretrain.losses import exported_model, pretraining_loss
 from training.runtime.deepspeed import deepspeed_config, param_groups
 from training.runtime.engine import autocast_for
 

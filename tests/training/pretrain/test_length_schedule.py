@@ -14,8 +14,10 @@ from pydantic import ValidationError
 
 from tasks.common import schema
 from tasks.common.io import sha256_file, write_ipc_stream
-from tasks.examples.examples import Pair, Specials, fixed, pair_rows
-from tasks.examples.objectives import MaskConfig
+from tasks.examples.examples import fixed
+from tasks.examples.objectives.masking import MaskConfig
+from tasks.examples.pairs import Pair, pair_rows
+from tasks.examples.specials import Specials
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import BatchBuilder, Cursor, GlobalOrder, Masker
 from training.pretrain.length_schedule import (

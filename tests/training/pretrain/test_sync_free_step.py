@@ -18,7 +18,7 @@ from host_reads import count_host_reads
 
 from training.pretrain import loop
 from training.pretrain.config import TrainConfig, cpu_has_native_bf16
-from training.pretrain.losses import StepOutput
+from training.pretrain.loss_common import StepOutput
 from training.runtime.context import LocalContext
 from training.runtime.guard import TrainingDivergedError
 

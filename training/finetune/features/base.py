@@ -13,14 +13,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from transformers import PreTrainedTokenizerBase
 
 from tasks.common.schema import EXAMPLE_ID, require_columns
+
+if TYPE_CHECKING:  # only annotations: the `finetune` section validates without transformers
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
