@@ -1,7 +1,8 @@
 """`lmpipe up` / `lmpipe down`: start and stop the local Prefect and MLflow servers.
 
-The servers' settings are the recipe's `servers:` section (`pipelines.ops.servers.ServersConfig`)
-and its `workspace`; `servers_from_recipe` reads them until `servers` joins `RunConfig`.
+The servers' settings are the recipe's `servers:` section
+(`pipelines.ops.servers_config.ServersConfig`) and its `workspace`; `servers_from_recipe` reads
+them until `servers` joins `RunConfig`.
 The servers themselves are managed in `pipelines.ops.servers`.
 """
 
