@@ -203,9 +203,10 @@ def _log_flavor(
         mlflow.models.Model.log(None, _AdaptersFlavor(hf_dir, task_type), **ids)
         return str(logged.model_id)
     task = PIPELINE_TASKS[family] if task_type is None else TASK_PIPELINES[task_type]
-    card = HubModelCard.load(hf_dir / "README.md")
     if layout == "model":
+        # load_export refuses pickle-only weights: before anything else reads the directory.
         model, tok = load_export(hf_dir, family, task_type)
+        card = HubModelCard.load(hf_dir / "README.md")
         components: dict[str, Any] = {"model": model, "tokenizer": tok}
         mlflow.transformers.log_model(
             components, task=task, model_card=card, pip_requirements=pip_requirements(), **ids
@@ -213,6 +214,7 @@ def _log_flavor(
         return str(logged.model_id)
     tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     peft_model = load_peft_export(hf_dir, str(task_type))
+    card = HubModelCard.load(hf_dir / "README.md")
     # peft's save asks the hub whether the base's vocabulary changed unless this names a local
     # directory; the artifact gets a relative path (`_PeftTransformersFlavor`).
     base_dir = (hf_dir / BASE_MODEL_DIR).resolve()
