@@ -1,28 +1,40 @@
 """Example creation: lmpipe's cores and stage against the de facto tools, on the same data.
 
 Usage: python bench/examples_throughput.py [--mb 110] [--out bench/results]
+       [--only stages,masking,causal] [--repeat 3]
 
 Reuses the corpus of bench/tokenizer_encode.py (same generator), ingests it, trains a
 WordPiece tokenizer and encodes it once (set-up, not measured), then measures:
 
 - masking: `tasks.examples.objectives.mask_tokens` against
   `transformers.DataCollatorForLanguageModeling` on the same 64 batches of 256 unmasked BERT rows of
-  128 tokens, with the realised mask rate and 80/10/10 shares of both;
-- causal packing: the whole `causal` examples stage (read token shards, pack, write, on Ray)
-  and its core alone in one process (read, pack, write) against `group_texts` run through
-  `datasets.map(batched=True, num_proc=<cores>)` as the causal-LM example script does, on the
-  same documents (end-of-text after each), with the block counts of both;
+  128 tokens, each arm given the special-token mask and one thread: the collator's masking
+  (`torch_mask_tokens`) on int64 tensors with `special_tokens_mask`, and the collator called
+  on features holding `input_ids` and `special_tokens_mask`, as a `DataLoader` calls it.
+  Every batch's output is checked (labels only at maskable positions and equal to the
+  original id, unchosen positions unchanged), and each arm must mask 15% at 80/10/10 (±1%);
+- causal packing, like for like: the whole `causal` examples stage with all of its start-up
+  counted (the local Ray and its 2 workers) against `group_texts` run through
+  `datasets.map(batched=True, num_proc=<cores>)` as the causal-LM example script does,
+  with its pool's start counted; and the stage's core in one process (read, pack, write)
+  against the same `datasets.map` in one process (no pool), neither starting anything. Both
+  read the same documents from disk (end-of-text after each); each arm's blocks must be
+  exactly the blocks of that token stream with its own restart points (lmpipe: each shard;
+  `group_texts`: each batch of each process), and the stage's the core's;
 - every objective's whole examples stage (bert, sop, roberta, causal on the WordPiece
   encoding; span_corruption on a Unigram encoding with T5's sentinels): examples/s, MB of
   text/s and peak memory, at this corpus size and at half of it (peak memory flat when the
   corpus doubles).
 
-Each measurement runs in a fresh subprocess whose process tree's peak RSS is sampled.
+Each measurement runs in a fresh subprocess whose process tree's peak RSS is sampled; the
+compared arms run interleaved, `--repeat` rounds, and the median of each is kept. A failed
+parity check exits non-zero (`parity.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -38,12 +50,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import pyarrow as pa
+from parity import (
+    ParityError,
+    expected_blocks,
+    masking_counts,
+    masking_summary,
+    require_equal_blocks,
+    require_same_masking,
+    same_rows,
+)
 from tokenizer_encode import CORES, run_phase, write_corpus
 
 from tasks.common import schema
 from tasks.common.io import read_ipc_stream
 
 BATCHES, ROWS, LENGTH = 64, 256, 128
+GROUP_BATCH = 1000  # documents per `group_texts` call: `datasets.map`'s default batch size
 
 
 def _stage_setup(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,12 +111,16 @@ def _stage_setup(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _examples_stage(args: argparse.Namespace, warm: bool = False) -> dict[str, Any]:
+def _examples_stage(
+    args: argparse.Namespace, warm: bool = False, with_ray_start: bool = False
+) -> dict[str, Any]:
     """The whole examples stage on a fresh local Ray; `warm`: timed on its second run.
 
-    Cold, the time includes starting the Ray workers and their imports. Warm, the same stage
-    first runs once into another folder, so the timed run finds the workers up with the
-    stage's modules imported, as in `lmpipe run`, where the stages share one Ray.
+    Cold, the time includes starting the Ray workers and their imports; `with_ray_start`, also
+    starting the local Ray itself (all of lmpipe's start-up, as `datasets.map` counts its
+    pool's). Warm, the same stage first runs once into another folder, so the timed run finds
+    the workers up with the stage's modules imported, as in `lmpipe run`, where the stages
+    share one Ray.
     """
     import ray
 
@@ -103,7 +129,9 @@ def _examples_stage(args: argparse.Namespace, warm: bool = False) -> dict[str, A
     from tasks.examples.stage import run_examples
 
     ray_cfg = RayConfig(num_workers=CORES)
+    ray_start = time.perf_counter()
     ensure_ray(ray_cfg)
+    ray_start_s = time.perf_counter() - ray_start
     out = args.work / f"examples-{args.objective}-{Path(args.encode).name}"
     masking = "dynamic" if args.objective in ("causal", "span_corruption") else "static"
     cfg = ExamplesConfig(
@@ -116,14 +144,17 @@ def _examples_stage(args: argparse.Namespace, warm: bool = False) -> dict[str, A
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
     result = run_examples(cfg, 0, ray_cfg, Path(args.encode), Path(args.tokenizer), out)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start + (ray_start_s if with_ray_start else 0.0)
     ray.shutdown()
+    if args.objective == "causal":
+        np.save(args.work / "blocks-stage.npy", _stage_blocks(result.path))
     split = result.manifest["splits"]["train"]
     examples = split["rows"] + result.manifest["splits"]["validation"]["rows"]
     return {
         "elapsed_s": elapsed,
         "examples": examples,
         "examples_per_s": examples / elapsed,
+        "ray_start_s": ray_start_s,
         "realised": split["realised"],
     }
 
@@ -134,6 +165,9 @@ def _bert_rows(args: argparse.Namespace) -> np.ndarray:
     from tasks.examples.config import ExamplesConfig
     from tasks.examples.stage import run_examples
 
+    cached = args.work / f"bert-rows-{Path(args.encode).name}.npy"  # every arm, every round
+    if cached.exists():
+        return np.load(cached)
     out = args.work / "rows"
     cfg = ExamplesConfig(objective="bert", masking="dynamic", max_seq_length=LENGTH)
     result = run_examples(
@@ -142,80 +176,100 @@ def _bert_rows(args: argparse.Namespace) -> np.ndarray:
     shards = result.manifest["splits"]["train"]["shards"]
     table = pa.concat_tables([read_ipc_stream(result.path / s["name"]) for s in shards])
     ids = np.stack(table.column(schema.INPUT_IDS).to_numpy(zero_copy_only=False))
-    return ids[: BATCHES * ROWS].astype(np.int64)
+    rows = ids[: BATCHES * ROWS].astype(np.int64)
+    np.save(cached, rows)
+    return rows
+
+
+def _masking_batches(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, Any]:
+    """The batches (count, ROWS, LENGTH), their special-token mask, and the tokenizer."""
+    import ray
+    from transformers import PreTrainedTokenizerFast
+
+    rows = _bert_rows(args)
+    ray.shutdown()  # the rows' stage is done, if it ran: no Ray beside the timed masking
+    tok = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
+    count = min(BATCHES, len(rows) // ROWS)
+    batches = rows[: count * ROWS].reshape(count, ROWS, LENGTH)
+    # What a `datasets` pipeline gives the collator with `return_special_tokens_mask=True`;
+    # lmpipe's example stage knows its maskable positions the same way, before masking.
+    special = np.isin(batches, np.asarray(tok.all_special_ids))
+    return batches, special, tok
 
 
 def _masking(args: argparse.Namespace) -> dict[str, Any]:
+    """One masking arm on the same batches; every batch's output is checked (`parity.py`).
+
+    `lmpipe`: `mask_tokens` on each (ROWS, LENGTH) NumPy batch and its maskable mask.
+    `collator-masking`: the collator's masking, `torch_mask_tokens`, on each batch as an int64
+    tensor with its `special_tokens_mask` tensor: the same work as `mask_tokens`.
+    `collator-call`: the collator called as a `DataLoader` calls it, on each batch as a list of
+    ROWS features holding `input_ids` and `special_tokens_mask` (pads, stacks, then masks).
+    """
     import torch
-    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+    from transformers import DataCollatorForLanguageModeling
 
     from tasks.examples.objectives.masking import MaskConfig, mask_tokens
     from tasks.examples.objectives.rng import sample_keys
 
-    rows = _bert_rows(args)
-    tok = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
-    specials = np.asarray(tok.all_special_ids)
-    random_ids = np.setdiff1d(np.arange(len(tok)), specials)
-    count = min(BATCHES, len(rows) // ROWS)
-    batches = rows[: count * ROWS].reshape(count, ROWS, LENGTH)
-    rows = rows[: count * ROWS]
+    batches, special, tok = _masking_batches(args)
+    mask_id = tok.mask_token_id
+    outs: list[tuple[Any, Any]] = []
     if args.side == "lmpipe":
         cfg = MaskConfig(max_predictions_per_seq=LENGTH)  # no cap, as the collator has none
+        random_ids = np.setdiff1d(np.arange(len(tok)), tok.all_special_ids)
+        maskable = ~special
         start = time.perf_counter()
-        results = []
         for b, batch in enumerate(batches):
-            maskable = ~np.isin(batch, specials)  # (ROWS, LENGTH)
             keys = sample_keys(0, 0, np.arange(b * ROWS, (b + 1) * ROWS))
-            results.append(
-                mask_tokens(batch, maskable, None, keys, cfg, tok.mask_token_id, random_ids)
-            )
+            r = mask_tokens(batch, maskable[b], None, keys, cfg, mask_id, random_ids)
+            outs.append((r.input_ids, r.labels))
         elapsed = time.perf_counter() - start
-        chosen = sum(r.chosen for r in results)
-        shares = {
-            k: sum(getattr(r, k) for r in results) / chosen
-            for k in ("masked", "randomized", "kept")
-        }
-        rate = chosen / sum(r.maskable for r in results)
     else:
+        # One thread, as `mask_tokens` runs, and as torch runs in a `DataLoader` worker.
+        torch.set_num_threads(1)
         torch.manual_seed(0)
         collator = DataCollatorForLanguageModeling(
             tok, mlm=True, mlm_probability=0.15, return_tensors="pt"
         )
-        examples = [[{"input_ids": row} for row in batch.tolist()] for batch in batches]
-        start = time.perf_counter()
-        outs = [collator(batch) for batch in examples]
-        elapsed = time.perf_counter() - start
-        chosen = masked = randomized = maskable = 0
-        for batch, out in zip(batches, outs, strict=True):
-            labels = out["labels"].numpy()
-            new = out["input_ids"].numpy()
-            picked = labels != -100
-            chosen += int(picked.sum())
-            masked += int((picked & (new == tok.mask_token_id)).sum())
-            randomized += int((picked & (new != tok.mask_token_id) & (new != batch)).sum())
-            maskable += int((~np.isin(batch, specials)).sum())
-        shares = {
-            "masked": masked / chosen,
-            "randomized": randomized / chosen,
-            "kept": 1 - (masked + randomized) / chosen,
-        }
-        rate = chosen / maskable
-    return {
-        "elapsed_s": elapsed,
-        "rows": len(rows),
-        "rows_per_s": len(rows) / elapsed,
-        "mask_rate": rate,
-        "shares": shares,
-    }
+        if args.side == "collator-masking":  # fresh tensors: it masks them in place
+            inputs = [
+                (torch.from_numpy(b.copy()), torch.from_numpy(m))
+                for b, m in zip(batches, special, strict=True)
+            ]
+            start = time.perf_counter()
+            outs = [collator.torch_mask_tokens(x, special_tokens_mask=m) for x, m in inputs]
+            elapsed = time.perf_counter() - start
+        else:
+            features = [
+                [
+                    {"input_ids": row, "special_tokens_mask": mask}
+                    for row, mask in zip(b.tolist(), m.astype(np.int64).tolist(), strict=True)
+                ]
+                for b, m in zip(batches, special, strict=True)
+            ]
+            start = time.perf_counter()
+            called = [collator(f) for f in features]
+            elapsed = time.perf_counter() - start
+            outs = [(c["input_ids"], c["labels"]) for c in called]
+    counts = [
+        masking_counts(batch, spec, np.asarray(new), np.asarray(labels), mask_id)
+        for batch, spec, (new, labels) in zip(batches, special, outs, strict=True)
+    ]
+    rows = batches.shape[0] * ROWS
+    return {"elapsed_s": elapsed, "rows": rows, "rows_per_s": rows / elapsed} | masking_summary(
+        counts
+    )
 
 
-def _group_texts(args: argparse.Namespace) -> dict[str, Any]:
-    import datasets
-
+def _docs_stream(args: argparse.Namespace) -> tuple[list[np.ndarray], list[int], int]:
+    """Every document's ids in shard order (train, then validation), shard starts, end id."""
     manifest = json.loads((Path(args.encode) / "manifest.json").read_text())
-    docs = []
+    docs: list[np.ndarray] = []
+    shard_starts = []
     for split in ("train", "validation"):
         for shard in manifest["splits"][split]["shards"]:
+            shard_starts.append(len(docs))
             table = read_ipc_stream(Path(args.encode) / shard["name"], [schema.TOKEN_IDS])
             flat = pa.compute.list_flatten(table.column(0))  # sentences → one list per doc
             offsets = np.concatenate(
@@ -229,7 +283,26 @@ def _group_texts(args: argparse.Namespace) -> dict[str, Any]:
     eos = json.loads((Path(args.tokenizer) / "manifest.json").read_text())["special_tokens"][
         "[SEP]"
     ]
-    corpus = datasets.Dataset.from_dict({"input_ids": [np.append(d, eos) for d in docs]})
+    return docs, shard_starts, eos
+
+
+def _group_texts(args: argparse.Namespace) -> dict[str, Any]:
+    """`group_texts` through `datasets.map(batched=True)` on `--procs` processes.
+
+    The documents (end-of-text after each) are saved as a dataset first and loaded
+    memory-mapped, untimed, as a tokenized dataset in a user's cache is; the map reads them
+    there, as lmpipe reads its token shards. With more than one process, `datasets` starts its
+    pool inside `map`, so the time counts that start.
+    """
+    import datasets
+
+    docs, _, eos = _docs_stream(args)
+    stored = args.work / "group-docs"
+    shutil.rmtree(stored, ignore_errors=True)
+    datasets.Dataset.from_dict({"input_ids": [np.append(d, eos) for d in docs]}).save_to_disk(
+        str(stored)
+    )
+    corpus = datasets.load_from_disk(str(stored))
     cache = args.work / "group-cache"
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
@@ -239,16 +312,26 @@ def _group_texts(args: argparse.Namespace) -> dict[str, Any]:
         total = len(joined) // LENGTH * LENGTH
         return {"input_ids": [joined[i : i + LENGTH] for i in range(0, total, LENGTH)]}
 
+    procs = args.procs if args.procs > 1 else None
     start = time.perf_counter()
     blocks = corpus.map(
         group_texts,
         batched=True,
-        num_proc=CORES,
+        batch_size=GROUP_BATCH,
+        num_proc=procs,
         cache_file_name=str(cache / "blocks.arrow"),
         load_from_cache_file=False,
     )
     elapsed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "examples": len(blocks), "examples_per_s": len(blocks) / elapsed}
+    column = blocks.data.column("input_ids").combine_chunks()
+    got = pa.compute.list_flatten(column).to_numpy().reshape(-1, LENGTH)
+    np.save(args.work / f"blocks-group-texts-{args.procs}.npy", got)
+    return {
+        "elapsed_s": elapsed,
+        "procs": args.procs,
+        "examples": len(blocks),
+        "examples_per_s": len(blocks) / elapsed,
+    }
 
 
 def _causal_in_process(args: argparse.Namespace) -> dict[str, Any]:
@@ -265,7 +348,7 @@ def _causal_in_process(args: argparse.Namespace) -> dict[str, Any]:
     out = args.work / "causal-in-process"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    blocks_total = 0
+    kept = []
     first = manifest["splits"]["train"]["shards"][0]["name"]  # warm-up: one-time imports
     encoded_docs(read_ipc_stream(Path(args.encode) / first, [schema.TOKEN_IDS]).slice(0, 8))
     start = time.perf_counter()
@@ -280,13 +363,64 @@ def _causal_in_process(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
             write_ipc_stream(packed, out / shard["name"])
-            blocks_total += len(blocks)
+            kept.append(blocks)
     elapsed = time.perf_counter() - start
+    got = np.concatenate(kept)
+    np.save(args.work / "blocks-causal-in-process.npy", got)
     return {
         "elapsed_s": elapsed,
-        "examples": blocks_total,
-        "examples_per_s": blocks_total / elapsed,
+        "examples": len(got),
+        "examples_per_s": len(got) / elapsed,
     }
+
+
+def _stage_blocks(out: Path) -> np.ndarray:
+    """Every block an examples stage wrote (train, then validation), as (B, LENGTH)."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    parts = [
+        read_ipc_stream(out / s["name"], [schema.INPUT_IDS]).column(0).combine_chunks()
+        for split in ("train", "validation")
+        for s in manifest["splits"][split]["shards"]
+    ]
+    return np.concatenate(
+        [pa.compute.list_flatten(p).to_numpy().reshape(-1, LENGTH) for p in parts]
+    )
+
+
+def _causal_parity(args: argparse.Namespace, procs: list[int]) -> dict[str, Any]:
+    """Check that lmpipe and `group_texts` cut the same token stream into the same blocks.
+
+    Both join the documents, each followed by end-of-text, and cut full blocks; lmpipe starts
+    afresh at each token shard, `group_texts` at each batch of `GROUP_BATCH` documents of each
+    `datasets` process, and each drops its runs' tails. Each arm's blocks must equal that
+    stream's blocks with its own restarts, exactly, and the stage's the core's, in any order.
+
+    Raises:
+        ParityError: an arm's blocks differ.
+    """
+    docs, shard_starts, eos = _docs_stream(args)
+    lengths = np.array([len(d) + 1 for d in docs], np.int64)
+    stream = np.concatenate([np.append(d, eos) for d in docs])
+    core = np.load(args.work / "blocks-causal-in-process.npy")
+    want = expected_blocks(lengths, stream, np.array(shard_starts, np.int64), LENGTH)
+    require_equal_blocks("lmpipe's causal core", core, want)
+    report: dict[str, Any] = {"lmpipe_blocks": len(core)}
+    for n in procs:
+        div, mod = divmod(len(docs), n)  # datasets' contiguous shards, one per process
+        firsts = [div * r + min(r, mod) for r in range(n)] + [len(docs)]
+        restarts = np.concatenate(
+            [np.arange(a, b, GROUP_BATCH) for a, b in itertools.pairwise(firsts)]
+        )
+        got = np.load(args.work / f"blocks-group-texts-{n}.npy")
+        require_equal_blocks(
+            f"group_texts on {n}", got, expected_blocks(lengths, stream, restarts, LENGTH)
+        )
+        report[f"group_texts_{n}_blocks"] = len(got)
+    stage = np.load(args.work / "blocks-stage.npy")
+    if not same_rows(stage, core):
+        raise ParityError("the causal stage's blocks differ from its core's")
+    report["stage_blocks"] = len(stage)
+    return report
 
 
 # Each tokenizer family's encoding and the objectives cut from it (T5 spans need sentinels).
@@ -300,30 +434,70 @@ PHASES = {
     "setup": _stage_setup,
     "stage": _examples_stage,
     "stage-warm": lambda args: _examples_stage(args, warm=True),
+    "stage-with-ray-start": lambda args: _examples_stage(args, with_ray_start=True),
     "masking": _masking,
     "group-texts": _group_texts,
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mb", type=int, default=110)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--work", type=Path, default=Path("bench/results/tokenizer_work"))
-    parser.add_argument("--phase", choices=sorted(PHASES))
-    parser.add_argument("--corpus", type=Path)
-    parser.add_argument("--encode")
-    parser.add_argument("--tokenizer")
-    parser.add_argument("--objective")
-    parser.add_argument("--side")
-    parser.add_argument("--family")
-    parser.add_argument("--vocab", type=int, default=30_000)  # run_phase passes it
-    args = parser.parse_args()
-    args.work = args.work.resolve()
-    if args.phase:
-        print(json.dumps(PHASES[args.phase](args), default=str), flush=True)
-        return
-    results: dict[str, Any] = {"cpus": CORES, "stages": {}}
+def _rounds(
+    args: argparse.Namespace, arms: dict[str, tuple[str, dict[str, Any]]]
+) -> dict[str, dict[str, Any]]:
+    """Run each arm's phase `args.repeat` times, interleaved; keep the median run of each.
+
+    Interleaving puts the compared arms under the same background load; every run's time is
+    kept beside the median one's figures.
+    """
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
+    for _ in range(args.repeat):
+        for name, (phase, extra) in arms.items():
+            runs[name].append(run_phase(phase, args, __file__, **extra))
+    kept = {}
+    for name, group in runs.items():
+        median = dict(sorted(group, key=lambda r: r["elapsed_s"])[len(group) // 2])
+        median["all_elapsed_s"] = [round(r["elapsed_s"], 4) for r in group]
+        kept[name] = median
+    return kept
+
+
+def _compare_masking(args: argparse.Namespace, where: dict[str, str]) -> dict[str, Any]:
+    """`mask_tokens` against the collator's masking and the collator's call; parity checked."""
+    sides = ("lmpipe", "collator-masking", "collator-call")
+    arms = _rounds(args, {side: ("masking", {"side": side, **where}) for side in sides})
+    require_same_masking(arms)
+    for side in sides[1:]:
+        ratio = arms["lmpipe"]["rows_per_s"] / arms[side]["rows_per_s"]
+        arms[f"lmpipe/{side}"] = {"ratio": ratio}
+        print(f"masking lmpipe/{side}: {ratio:.1f}x (medians of {args.repeat})")
+    return arms
+
+
+def _compare_causal(args: argparse.Namespace, where: dict[str, str]) -> dict[str, Any]:
+    """Causal packing, like for like: start-up counted on both arms, or on neither."""
+    arms = _rounds(
+        args,
+        {
+            # Both count their start-up: the local Ray and its workers; the pool of processes.
+            "stage": ("stage-with-ray-start", {"objective": "causal", **where}),
+            f"group_texts_{CORES}": ("group-texts", {"procs": CORES, **where}),
+            # Neither starts anything: one process each.
+            "in_process": ("causal-in-process", where),
+            "group_texts_1": ("group-texts", {"procs": 1, **where}),
+        },
+    )
+    arms["parity"] = _causal_parity(argparse.Namespace(**(vars(args) | where)), [1, CORES])
+    print("causal parity:", json.dumps(arms["parity"]))
+    pairs = {"stage": f"group_texts_{CORES}", "in_process": "group_texts_1"}
+    for lm, base in pairs.items():
+        ratio = arms[lm]["examples_per_s"] / arms[base]["examples_per_s"]
+        arms[f"{lm}/{base}"] = {"ratio": ratio}
+        print(f"causal {lm}/{base}: {ratio:.1f}x (medians of {args.repeat})")
+    return arms
+
+
+def _all_stages(args: argparse.Namespace) -> dict[str, Any]:
+    """Every objective's whole stage, at half the corpus and at the whole of it."""
+    stages: dict[str, Any] = {}
     for mb in (args.mb // 2, args.mb):
         corpus = write_corpus(args.work / f"corpus-{mb}.jsonl", mb)
         for family, objectives in FAMILY_OBJECTIVES.items():
@@ -332,36 +506,54 @@ def main() -> None:
             for objective in objectives:
                 stage = run_phase("stage", args, __file__, objective=objective, **where)
                 stage["text_mb_per_s"] = setup["text_mb"] / stage["elapsed_s"]
-                results["stages"][f"{objective}_{mb}mb"] = {"setup": setup, "stage": stage}
-        where = {"encode": results["stages"][f"bert_{mb}mb"]["setup"]["encode"]}
-        where["tokenizer"] = results["stages"][f"bert_{mb}mb"]["setup"]["tokenizer"]
-    results["masking"] = {
-        side: run_phase("masking", args, __file__, side=side, **where)
-        for side in ("lmpipe", "collator")
-    }
-    results["causal"] = {
-        "stage": results["stages"][f"causal_{args.mb}mb"]["stage"],
-        "stage_warm": run_phase("stage-warm", args, __file__, objective="causal", **where),
-        "in_process": run_phase("causal-in-process", args, __file__, **where),
-        "group_texts": run_phase("group-texts", args, __file__, **where),
-    }
-    out = args.out / "examples_throughput.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=str))
-    masking, causal = results["masking"], results["causal"]
-    print(
-        "masking lmpipe/collator:",
-        round(masking["lmpipe"]["rows_per_s"] / masking["collator"]["rows_per_s"], 1),
-    )
-    for ratio in ("stage", "stage_warm", "in_process"):
-        speed = causal[ratio]["examples_per_s"] / causal["group_texts"]["examples_per_s"]
-        print(f"causal {ratio}/group_texts:", round(speed, 1))
-    for name, row in results["stages"].items():
+                stages[f"{objective}_{mb}mb"] = {"setup": setup, "stage": stage}
+    for name, row in stages.items():
         stage = row["stage"]
         print(
             f"{name}: {stage['examples_per_s']:,.0f} examples/s, "
             f"{stage['text_mb_per_s']:.2f} MB/s, peak {stage['peak_rss_mib']} MiB"
         )
+    return stages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mb", type=int, default=110)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--work", type=Path, default=Path("bench/results/tokenizer_work"))
+    parser.add_argument("--only", default="stages,masking,causal", help="comma-separated parts")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; median kept")
+    parser.add_argument("--phase", choices=sorted(PHASES))
+    parser.add_argument("--corpus", type=Path)
+    parser.add_argument("--encode")
+    parser.add_argument("--tokenizer")
+    parser.add_argument("--objective")
+    parser.add_argument("--side")
+    parser.add_argument("--family")
+    parser.add_argument("--procs", type=int, default=CORES)
+    parser.add_argument("--vocab", type=int, default=30_000)  # run_phase passes it
+    args = parser.parse_args()
+    args.work = args.work.resolve()
+    if args.phase:
+        print(json.dumps(PHASES[args.phase](args), default=str), flush=True)
+        return
+    only = set(args.only.split(","))
+    results: dict[str, Any] = {"cpus": CORES, "load_average_at_start": os.getloadavg()}
+    if "stages" in only:
+        results["stages"] = _all_stages(args)
+    corpus = write_corpus(args.work / f"corpus-{args.mb}.jsonl", args.mb)
+    setup = run_phase("setup", args, __file__, corpus=corpus, family="wordpiece")  # reused
+    where = {"encode": setup["encode"], "tokenizer": setup["tokenizer"]}
+    out = args.out / "examples_throughput.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if "masking" in only:
+            results["masking"] = _compare_masking(args, where)
+        if "causal" in only:
+            results["causal"] = _compare_causal(args, where)
+    finally:
+        results["load_average_at_end"] = os.getloadavg()
+        out.write_text(json.dumps(results, indent=2, default=str))
 
 
 if __name__ == "__main__":

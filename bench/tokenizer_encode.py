@@ -8,11 +8,15 @@ windows of consecutive sentences of the Gutenberg books, Tiny Shakespeare and th
 reviews), ingests it once, then measures, on the same documents:
 
 (a) encoding, tokens/s: the whole `encode` stage (read shards, encode, write token shards, on
-    a local Ray with one worker per core) against `Tokenizer.encode_batch` alone on the
-    documents already in memory (all cores), and against
-    `datasets.Dataset.map(tokenizer, batched=True, num_proc=<cores>)`; also the stage with
-    `encode.fast_ascii=false` (`tokenizers` encodes every sentence), the stage as it was before
-    the byte-level fast path;
+    a local Ray with one worker per core) against `Tokenizer.encode_batch_fast` alone on the
+    same sentence segments already in memory (all cores), and against
+    `datasets.Dataset.map(tokenizer, batched=True, num_proc=<cores>)` over the same segments
+    in a memory-mapped dataset; also the stage with `encode.fast_ascii=false` (`tokenizers`
+    encodes every sentence), the stage as it was before the byte-level fast path. Every arm
+    encodes the same segments (each sentence with the whitespace before it, as the stage cuts
+    them) without special tokens and saves its ids (untimed); the run fails unless every arm's
+    ids equal the stage's (`parity.py`). The floor also counts, untimed, the documents whose
+    whole-document encoding differs from their segments' ids joined;
 (b) training time: the `tokenizer` stage (streaming the train split from the shards) against
     the trainer called on the documents already in a Python list, per family; for Unigram,
     also sentencepiece against the `tokenizers` Unigram trainer;
@@ -21,6 +25,9 @@ reviews), ingests it once, then measures, on the same documents:
 
 `--only encode` trains the byte-level BPE tokenizer once (untimed) and measures only (a);
 `--only unigram` measures only the Unigram rows of (b): the stage against the direct call.
+lmpipe's Unigram is sentencepiece's trainer plus a conversion, so its time against
+sentencepiece alone is the conversion's overhead, not a speed-up; the independent comparison is
+against the `tokenizers` Unigram trainer.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import itertools
 import json
 import os
 import platform
@@ -49,10 +57,13 @@ SHARED = ROOT.parent / "shared" / "data"
 import numpy as np  # noqa: E402 - after the environment and sys.path set-up above
 import psutil  # noqa: E402
 import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
+from parity import ParityError, differing_segments, save_ids  # noqa: E402
 
 from tasks.common import schema  # noqa: E402
 from tasks.common.io import read_ipc_stream  # noqa: E402
 from tasks.common.stage import shards_of  # noqa: E402
+from tasks.encode.encode import sentence_segments  # noqa: E402
 from tasks.ingest.text import SentenceConfig, split_sentences  # noqa: E402
 
 CORES = os.cpu_count() or 1
@@ -158,6 +169,49 @@ def documents(ingest: Path, split: str | None) -> list[str]:
     return texts
 
 
+def segments_of(ingest: Path) -> tuple[list[str], list[str], np.ndarray]:
+    """Every document's id and sentence segments as the encode stage cuts them, in shard order.
+
+    Returns the document ids, the segments of all documents in order, and each document's
+    segment count; the segments of a document join back to its text exactly.
+    """
+    manifest = json.loads((ingest / "manifest.json").read_text())
+    doc_ids: list[str] = []
+    segments: list[str] = []
+    counts = []
+    for _, shard in shards_of(manifest):
+        columns = [schema.DOC_ID, schema.TEXT, schema.SENTENCES]
+        table = read_ipc_stream(ingest / shard["name"], columns)
+        ids = table.column(schema.DOC_ID).to_pylist()
+        texts = table.column(schema.TEXT).to_pylist()
+        segs, count = sentence_segments(ids, texts, table.column(schema.SENTENCES).to_pylist())
+        doc_ids += ids
+        segments += segs
+        counts.append(count)
+    return doc_ids, segments, np.concatenate(counts)
+
+
+def ids_file(args: argparse.Namespace, arm: str) -> Path:
+    """Where an encode arm saves its ids for the parity check."""
+    return args.work / "ids" / f"{arm}.npz"
+
+
+def save_stage_ids(args: argparse.Namespace, encode_dir: Path, arm: str) -> None:
+    """Save the ids the encode stage wrote, per sentence, in the ingest's document order."""
+    manifest = json.loads((encode_dir / "manifest.json").read_text())
+    tables = [
+        read_ipc_stream(encode_dir / s["name"], [schema.DOC_ID, schema.TOKEN_IDS])
+        for _, s in shards_of(manifest)
+    ]
+    table = pa.concat_tables(tables)
+    doc_ids, _, _ = segments_of(args.ingest)
+    if table.column(schema.DOC_ID).to_pylist() != doc_ids:
+        raise ParityError("the encode stage wrote its documents in another order")
+    sentences = pc.list_flatten(table.column(schema.TOKEN_IDS))
+    lengths = pc.list_value_length(sentences).to_numpy(zero_copy_only=False)
+    save_ids(ids_file(args, arm), pc.list_flatten(sentences).to_numpy(), lengths)
+
+
 def tokenizer_config(family: str, vocab: int, trainer: str = "sentencepiece") -> Any:
     from tasks.tokenizer.tokenizer import TokenizerConfig
 
@@ -235,7 +289,9 @@ def phase_train_direct(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def phase_encode_stage(args: argparse.Namespace, fast_ascii: bool = True) -> dict[str, Any]:
+def phase_encode_stage(
+    args: argparse.Namespace, fast_ascii: bool = True, arm: str = "encode-stage"
+) -> dict[str, Any]:
     import ray
 
     from tasks.common.ray_runtime import RayConfig, ensure_ray
@@ -252,6 +308,7 @@ def phase_encode_stage(args: argparse.Namespace, fast_ascii: bool = True) -> dic
     result = run_encode(cfg, ray_cfg, args.ingest, args.tokenizer, args.work / "ws-enc")
     elapsed = time.perf_counter() - start
     ray.shutdown()
+    save_stage_ids(args, result.path, arm)
     metrics = result.manifest["metrics"]
     return {
         "elapsed_s": elapsed,
@@ -264,7 +321,7 @@ def phase_encode_stage(args: argparse.Namespace, fast_ascii: bool = True) -> dic
 
 def phase_encode_stage_tokenizers(args: argparse.Namespace) -> dict[str, Any]:
     """The encode stage with `tokenizers` encoding every sentence (no byte-level fast path)."""
-    return phase_encode_stage(args, fast_ascii=False)
+    return phase_encode_stage(args, fast_ascii=False, arm="encode-stage-tokenizers")
 
 
 def _warm_worker(_: int) -> str:
@@ -280,57 +337,97 @@ def phase_encode_stage_warm(args: argparse.Namespace) -> dict[str, Any]:
 
     ensure_ray(RayConfig(num_workers=CORES))
     map_bounded(_warm_worker, list(range(4 * CORES)), CORES)
-    return phase_encode_stage(args)
+    return phase_encode_stage(args, arm="encode-stage-warm")
 
 
 def phase_encode_floor(args: argparse.Namespace) -> dict[str, Any]:
+    """`tokenizers` alone on the stage's segments in memory, all cores; ids into NumPy."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
+
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
-    texts = documents(args.ingest, None)
-    tokens = 0
+    _, segments, counts = segments_of(args.ingest)
+    flats, lengths = [], []
     start = time.perf_counter()
-    for at in range(0, len(texts), 10_000):  # batches, so that Encodings do not pile up
-        tokens += sum(len(e) for e in tok.encode_batch(texts[at : at + 10_000], False))
+    for at in range(0, len(segments), 200_000):  # batches, so that Encodings do not pile up
+        encodings = tok.encode_batch_fast(segments[at : at + 200_000], add_special_tokens=False)
+        size = np.fromiter(map(len, encodings), np.int64, len(encodings))
+        flats.append(
+            np.fromiter(
+                itertools.chain.from_iterable(e.ids for e in encodings), np.uint32, int(size.sum())
+            )
+        )
+        lengths.append(size)
     elapsed = time.perf_counter() - start
+    flat, length = np.concatenate(flats), np.concatenate(lengths)
+    save_ids(ids_file(args, "encode-floor"), flat, length)
     return {
         "elapsed_s": elapsed,
-        "tokens": tokens,
-        "documents": len(texts),
-        "tokens_per_s": tokens / elapsed,
+        "tokens": len(flat),
+        "segments": len(segments),
+        "documents": len(counts),
+        "tokens_per_s": len(flat) / elapsed,
+        "whole_documents_differing": whole_document_differences(args, tok, segments, counts),
     }
 
 
+def whole_document_differences(
+    args: argparse.Namespace, tok: Any, segments: list[str], counts: np.ndarray
+) -> dict[str, int]:
+    """Untimed: the documents whose whole-text ids differ from their segments' ids joined."""
+    at = np.concatenate([[0], np.cumsum(counts)])
+    texts = ["".join(segments[a:b]) for a, b in itertools.pairwise(at)]
+    encodings = [
+        e
+        for i in range(0, len(texts), 10_000)
+        for e in tok.encode_batch_fast(texts[i : i + 10_000], add_special_tokens=False)
+    ]
+    size = np.fromiter(map(len, encodings), np.int64, len(encodings))
+    flat = np.fromiter(
+        itertools.chain.from_iterable(e.ids for e in encodings), np.uint32, int(size.sum())
+    )
+    save_ids(ids_file(args, "encode-floor-documents"), flat, size)
+    joined = np.load(ids_file(args, "encode-floor"))
+    per_doc = np.add.reduceat(joined["lengths"], at[:-1]) if len(joined["lengths"]) else size
+    per_doc[counts == 0] = 0  # reduceat repeats a value at an empty range
+    save_ids(ids_file(args, "encode-floor-joined"), joined["flat"], per_doc)
+    return differing_segments(
+        ids_file(args, "encode-floor-joined"), ids_file(args, "encode-floor-documents")
+    )
+
+
 def phase_encode_datasets(args: argparse.Namespace) -> dict[str, Any]:
+    """`datasets.map` with the `transformers` tokenizer over the same segments, memory-mapped."""
     import datasets
-    import pyarrow.compute as pc
     from transformers import AutoTokenizer
 
-    manifest = json.loads((args.ingest / "manifest.json").read_text())
-    parts = [
-        datasets.Dataset.from_file(str(args.ingest / s["name"])) for _, s in shards_of(manifest)
-    ]
-    corpus = datasets.concatenate_datasets(parts).select_columns([schema.TEXT])
+    _, segments, _ = segments_of(args.ingest)
+    stored = args.work / "datasets-segments"
+    shutil.rmtree(stored, ignore_errors=True)
+    datasets.Dataset.from_dict({"segment": segments}).save_to_disk(str(stored))
+    corpus = datasets.load_from_disk(str(stored))  # memory-mapped, as a user's cached dataset
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     cache = args.work / "datasets-cache"
     cache.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     encoded = corpus.map(
-        lambda batch: tok(batch[schema.TEXT]),
+        lambda batch: tok(batch["segment"], add_special_tokens=False),
         batched=True,
         num_proc=CORES,
-        remove_columns=[schema.TEXT],
+        remove_columns=["segment"],
         cache_file_name=str(cache / "map.arrow"),
         load_from_cache_file=False,
     )
     elapsed = time.perf_counter() - start
-    lengths = pc.list_value_length(encoded.data.column("input_ids"))
-    tokens = int(pc.sum(lengths).as_py())
+    column = encoded.data.column("input_ids").combine_chunks()
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    save_ids(ids_file(args, "encode-datasets"), pc.list_flatten(column).to_numpy(), lengths)
+    tokens = int(lengths.sum())
     return {
         "elapsed_s": elapsed,
         "tokens": tokens,
-        "documents": len(encoded),
+        "segments": len(encoded),
         "tokens_per_s": tokens / elapsed,
     }
 
@@ -410,14 +507,26 @@ ENCODE_PHASES = ["encode-stage", "encode-stage-tokenizers", "encode-floor", "enc
 
 
 def measure_encode(args: argparse.Namespace, ingest: str, tokenizer: str) -> dict[str, Any]:
-    """(a): the encode stage, with and without the fast path, the floor and `datasets.map`."""
+    """(a): the encode stage, with and without the fast path, the floor and `datasets.map`.
+
+    Raises:
+        ParityError: an arm's ids differ from the stage's.
+    """
     where = {"ingest": ingest, "tokenizer": tokenizer}
     runs = best_of(args, [(n, where) for n in ENCODE_PHASES])
     enc = dict(zip(ENCODE_PHASES, runs, strict=True))
+    reference = ids_file(args, "encode-stage")
+    enc["parity"] = {
+        arm: differing_segments(reference, ids_file(args, arm)) for arm in ENCODE_PHASES[1:]
+    }
+    print("parity (segments whose ids differ from the stage's):", json.dumps(enc["parity"]))
     floor, ds = enc["encode-floor"]["tokens_per_s"], enc["encode-datasets"]["tokens_per_s"]
     for name in ("encode-stage", "encode-stage-tokenizers"):
         stage = enc[name]["tokens_per_s"]
         print(f"{name}: /floor {stage / floor:.2f}x, /datasets.map {stage / ds:.2f}x")
+    if any(p["differing"] for p in enc["parity"].values()):
+        write_results(args, {"encode": enc})
+        raise ParityError("encode arms produced different ids; see parity above")
     return enc
 
 
@@ -478,6 +587,11 @@ def orchestrate(args: argparse.Namespace) -> None:
             print(f"train {row['family']}: stage/direct {ratio:.3f}")
     ratio = tokenizers_unigram["elapsed_s"] / spm["elapsed_s"]
     print(f"unigram: tokenizers trainer / sentencepiece {ratio:.2f}")
+    lmpipe = next(r for r in training if r["family"] == "unigram")["direct"]["elapsed_s"]
+    print(
+        f"unigram: tokenizers trainer / lmpipe (sentencepiece + conversion) "
+        f"{tokenizers_unigram['elapsed_s'] / lmpipe:.2f}"
+    )
 
 
 def main() -> None:
