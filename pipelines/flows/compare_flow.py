@@ -41,9 +41,8 @@ def compare_flow(cfg: RunConfig) -> dict[str, Any]:
             summaries.append(finetune_task(*args, tracking, cfg.name, lineage))
             names.append(entry.name())
     out = cfg.workspace / "compare" / data["fingerprint"]
-    rows = compare_task(
-        names, summaries, cfg.compare.metric, str(out), tracking, str(cfg.workspace), cfg.name
-    )
+    table = (names, summaries, cfg.compare.metric, str(out), tracking, str(cfg.workspace))
+    rows = compare_task(*table, cfg.name, data["path"])
     return {"downstream": data, "compare": {"rows": rows, "report_dir": str(out)}}
 
 

@@ -1,4 +1,9 @@
-"""MLflow records of a run: a finished data stage, a reused stage, the pipeline's parent run."""
+"""MLflow records of a run: a finished data stage, a reused stage, the pipeline's parent run.
+
+Each data stage's run lists the outputs it read as MLflow dataset inputs (`stage_inputs`): the
+upstream stages named in its manifest, or, for ingestion and a downstream task, its source
+files. Every run here is opened and ended by `training.registry.tracking.tracked_run`.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +20,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext
 
 from pipelines.config import RunConfig
-from tasks.common.io import atomic_writer, public_dump
-from training.registry.tracking import MlflowTracker, open_run, set_run_status, stage_run
+from tasks.common.io import atomic_writer, fingerprint, public_dump
+from training.registry.tracking import DatasetRef, MlflowTracker, tracked_run
+
+_MAX_FILE_INPUTS = 64  # corpus files listed one by one; more are grouped by source
 
 
 @task(name="track-stage", cache_policy=NO_CACHE)
@@ -26,8 +33,9 @@ def track_stage_task(result: dict[str, Any], cfg: RunConfig) -> str | None:
     The params are the stage's config section; the metrics and the files logged as artifacts
     are those the manifest lists (`metrics`, `artifacts`). A reused output (a cache hit) gets
     a complete run too, tagged `lmpipe.reused=true`, so the newest run of a stage always holds
-    its files. Nothing in the output directory is rewritten when it is reused, so every file
-    keeps its modification time. Returns the MLflow run id (None when tracking is off).
+    its files and its inputs (`stage_inputs`). Nothing in the output directory is rewritten
+    when it is reused, so every file keeps its modification time. Returns the MLflow run id
+    (None when tracking is off).
     """
     out = Path(result["path"])
     stage = result["stage"]
@@ -40,12 +48,12 @@ def track_stage_task(result: dict[str, Any], cfg: RunConfig) -> str | None:
         **{f"lmpipe.{k}": str(v) for k, v in manifest.get("tags", {}).items()},
     }
     assert cfg.tracking.tracking_uri is not None  # filled by resolve_environment
-    with stage_run(
-        cfg.tracking, cfg.tracking.tracking_uri, Path(cfg.workspace), f"{cfg.name}-{stage}", tags
-    ) as tracker:
+    name = f"{cfg.name}-{stage}"
+    with tracked_run(cfg.tracking, Path(cfg.workspace), name, tags) as tracker:
         config = public_dump(cfg)
         tracker.log_params({stage: config[stage], "name": cfg.name, "seed": cfg.seed})
         tracker.log_metrics(manifest["metrics"])
+        tracker.log_inputs(stage_inputs(stage, manifest, Path(cfg.workspace)))
         tracker.log_artifact(out / "manifest.json", "manifest")
         config_file = out / "run_config.yaml"
         if not result["reused"] or not config_file.is_file():
@@ -70,8 +78,9 @@ def record_stage_task(
 
     Used for the downstream preparation and for cache hits of training and evaluation. The
     run is tagged with the stage, `lmpipe.reused` and the fingerprint; a reused stage points at
-    the run that built its output (`lmpipe.source_run`) and names its registered model.
-    Returns the new run's id (None when tracking is off).
+    the run that built its output (`lmpipe.source_run`) and names its registered model. The
+    downstream run lists its source files as dataset inputs. Returns the new run's id (None
+    when tracking is off).
     """
     tags = {"lmpipe.stage": stage, "lmpipe.reused": str(bool(result.get("reused"))).lower()}
     if result.get("fingerprint"):
@@ -81,9 +90,12 @@ def record_stage_task(
     if result.get("model_name"):
         tags["lmpipe.model"] = f"{result['model_name']}/{result.get('model_version')}"
     assert cfg.tracking.tracking_uri is not None  # filled by resolve_environment
-    with stage_run(
-        cfg.tracking, cfg.tracking.tracking_uri, Path(cfg.workspace), f"{cfg.name}-{stage}", tags
-    ) as tracker:
+    name = f"{cfg.name}-{stage}"
+    with tracked_run(cfg.tracking, Path(cfg.workspace), name, tags) as tracker:
+        if stage == "downstream" and cfg.task is not None:
+            manifest = json.loads((Path(result["path"]) / "manifest.json").read_text())
+            where = Path(cfg.workspace), Path(cfg.task.base_dir)
+            tracker.log_inputs(stage_inputs(stage, manifest, *where))
         if params:
             tracker.log_params(params)
         if metrics is None:
@@ -98,24 +110,20 @@ def pipeline_run(cfg: RunConfig) -> Iterator[RunConfig]:
     """Open the pipeline's parent MLflow run; yield the config that nests stage runs under it.
 
     The run is named `<name>-pipeline`, holds the whole config as params, and ends FINISHED,
-    or FAILED when a stage raises. With tracking off, the config is yielded unchanged.
+    FAILED when a stage raises, or KILLED on an interrupt (`tracked_run`). With tracking off,
+    the config is yielded unchanged.
     """
-    uri = cfg.tracking.tracking_uri
-    if not cfg.tracking.enabled or uri is None:
-        yield cfg
-        return
     context = FlowRunContext.get()
     flow_run = str(context.flow_run.id) if context and context.flow_run else "none"
     tags = {"lmpipe.stage": "pipeline", "lmpipe.prefect_flow_run": flow_run}
-    run_id = open_run(cfg.tracking, uri, Path(cfg.workspace), f"{cfg.name}-pipeline", tags)
-    try:
-        MlflowTracker(uri, run_id).log_params(public_dump(cfg))
-        tracking = cfg.tracking.model_copy(update={"parent_run_id": run_id})
+    name = f"{cfg.name}-pipeline"
+    with tracked_run(cfg.tracking, Path(cfg.workspace), name, tags) as tracker:
+        if tracker.run_id is None:  # tracking off
+            yield cfg
+            return
+        tracker.log_params(public_dump(cfg))
+        tracking = cfg.tracking.model_copy(update={"parent_run_id": tracker.run_id})
         yield cfg.model_copy(update={"tracking": tracking})
-    except BaseException:
-        set_run_status(uri, run_id, "FAILED")
-        raise
-    set_run_status(uri, run_id, "FINISHED")
 
 
 def record_pipeline(cfg: RunConfig, stages: dict[str, dict[str, Any]], markdown: str) -> None:
@@ -137,3 +145,51 @@ def record_pipeline(cfg: RunConfig, stages: dict[str, dict[str, Any]], markdown:
         path = Path(tmp) / "pipeline_summary.md"
         path.write_text(markdown, encoding="utf-8")
         tracker.log_artifact(path, "summary")
+
+
+def stage_inputs(
+    stage: str, manifest: dict[str, Any], workspace: Path, base_dir: Path | None = None
+) -> list[DatasetRef]:
+    """What a data stage read, from its manifest: one dataset input per upstream output.
+
+    Tokenizer, encode and examples name each upstream output (`{"fingerprint", "path"}`) in
+    their manifest; decontamination names the ingest output it filtered (by fingerprint, in
+    the workspace); ingestion its corpus files (`corpus_inputs`), a downstream task and a
+    tokenizer loaded from your files their source files (sha256). A downstream task records
+    its sources relative to the task's `base_dir`, which makes them absolute here.
+    """
+    refs = [
+        DatasetRef(key, str(value["fingerprint"]), str(value["path"]))
+        for key, value in manifest.items()
+        if isinstance(value, dict) and {"fingerprint", "path"} <= value.keys()
+    ]
+    inputs = manifest.get("inputs")
+    if stage == "decontaminate" and "decontaminated_from" in manifest:
+        ingest = str(manifest["decontaminated_from"])
+        refs.append(DatasetRef("ingest", ingest, str(workspace / "ingest" / ingest)))
+    elif stage == "ingest" and isinstance(inputs, list):
+        refs += corpus_inputs(inputs)
+    elif stage == "downstream" and isinstance(inputs, dict):
+        root = base_dir or Path()
+        refs += [DatasetRef("source", str(sha), str(root / path)) for path, sha in inputs.items()]
+    elif stage == "tokenizer" and isinstance(inputs, dict) and "files" in inputs:
+        files = inputs["files"].values()
+        refs += [DatasetRef("tokenizer_file", str(f["sha256"]), str(f["path"])) for f in files]
+    return refs
+
+
+def corpus_inputs(files: list[dict[str, Any]]) -> list[DatasetRef]:
+    """The corpus files an ingestion read: one input per file (its xxh3-128 and URI).
+
+    Past `_MAX_FILE_INPUTS` files, one input per configured source instead, its digest a hash
+    of its files' digests, so that a corpus of many files stays a readable list in the UI.
+    """
+    if len(files) <= _MAX_FILE_INPUTS:
+        return [DatasetRef("corpus", str(f["xxh3_128"]), str(f["uri"])) for f in files]
+    sources: dict[str, list[str]] = {}
+    for f in files:
+        sources.setdefault(str(f["source"]), []).append(str(f["xxh3_128"]))
+    return [
+        DatasetRef("corpus", fingerprint(sorted(digests), length=32), source)
+        for source, digests in sorted(sources.items())
+    ]

@@ -4,8 +4,10 @@ A step takes the run config and the summaries of the stages already run (`Stages
 stage name) and returns its own. Every summary says where the output is, whether it was
 `reused` (a cache hit: the stage's fingerprint over its inputs, config section and code matched
 a complete output in the workspace) and its MLflow run. The stage flows and the `pipeline` flow
-are compositions of these steps, so caching has one mechanism, the workspace fingerprint check:
-Prefect's own task cache is off for every stage task (`NO_CACHE`).
+are compositions of these steps. Caching has one key, the fingerprint: the data stages and the
+downstream preparation are Prefect-cached on it, guarded by the workspace check
+(`tasks.common.caching`), with their JSON results under `<workspace>/prefect-results/`; a
+`Cached` task run is a reused stage. Training and evaluation stay `NO_CACHE`.
 
 Each step also publishes its stage's Markdown summary as a Prefect artifact
 (`pipelines/flows/summary.py`). The data stages and the downstream preparation are retried with
@@ -24,6 +26,7 @@ from prefect.tasks import exponential_backoff
 from pipelines.config import ConfigError, RunConfig
 from pipelines.flows.stage_tracking import record_stage_task, track_stage_task
 from pipelines.flows.summary import publish_stage
+from tasks.common.caching import in_workspace, stage_summary
 from tasks.common.io import public_dump
 from tasks.decontaminate.stage import decontaminate_task
 from tasks.downstream.stage import prepare_downstream_task
@@ -51,6 +54,11 @@ def retrying(task: Task[P, R], cfg: RunConfig) -> Task[P, R]:
     )
 
 
+def cached(task: Task[P, dict[str, Any]], cfg: RunConfig) -> Task[P, dict[str, Any]]:
+    """A data stage's task with the run's retry policy and the workspace's result store."""
+    return retrying(in_workspace(task, cfg.workspace), cfg)
+
+
 def corpus_path(stages: Stages) -> str:
     """Return the corpus the stages after ingestion read: decontaminated when that stage ran."""
     return str(stages.get("decontaminate", stages["ingest"])["path"])
@@ -67,39 +75,43 @@ def ingest_step(cfg: RunConfig, stages: Stages) -> Stages:
     """Ingest the corpus into fingerprinted Arrow shards (`{"ingest": summary}`)."""
     if cfg.ingest is None:
         raise ConfigError("this command needs an `ingest` section (the corpus to read)")
-    return _tracked(cfg, retrying(ingest_task, cfg)(cfg.ingest, cfg.ray, str(cfg.workspace)))
+    state = cached(ingest_task, cfg)(cfg.ingest, cfg.ray, str(cfg.workspace), return_state=True)
+    return _tracked(cfg, stage_summary(state))
 
 
 def decontaminate_step(cfg: RunConfig, stages: Stages) -> Stages:
     """Remove documents that overlap the evaluation sets, when `decontaminate.enabled`."""
     if not cfg.decontaminate.enabled:
         return {}
-    task = retrying(decontaminate_task, cfg)
-    return _tracked(cfg, task(cfg.decontaminate, stages["ingest"]["path"], str(cfg.workspace)))
+    task = cached(decontaminate_task, cfg)
+    ingest = stages["ingest"]["path"]
+    state = task(cfg.decontaminate, ingest, str(cfg.workspace), return_state=True)
+    return _tracked(cfg, stage_summary(state))
 
 
 def tokenizer_step(cfg: RunConfig, stages: Stages) -> Stages:
     """Train or load the tokenizer on the corpus."""
-    task = retrying(tokenizer_task, cfg)
-    return _tracked(cfg, task(cfg.tokenizer, corpus_path(stages), str(cfg.workspace)))
+    task = cached(tokenizer_task, cfg)
+    state = task(cfg.tokenizer, corpus_path(stages), str(cfg.workspace), return_state=True)
+    return _tracked(cfg, stage_summary(state))
 
 
 def encode_step(cfg: RunConfig, stages: Stages) -> Stages:
     """Encode the corpus the tokenizer trained on into token shards."""
     tokenizer = stages["tokenizer"]["path"]
-    task = retrying(encode_task, cfg)
-    return _tracked(
-        cfg, task(cfg.encode, cfg.ray, corpus_path(stages), tokenizer, str(cfg.workspace))
-    )
+    task = cached(encode_task, cfg)
+    corpus, workspace = corpus_path(stages), str(cfg.workspace)
+    state = task(cfg.encode, cfg.ray, corpus, tokenizer, workspace, return_state=True)
+    return _tracked(cfg, stage_summary(state))
 
 
 def examples_step(cfg: RunConfig, stages: Stages) -> Stages:
     """Cut the encoded corpus into pretraining examples of `examples.objective`."""
     encode, tokenizer = stages["encode"]["path"], stages["tokenizer"]["path"]
-    task = retrying(examples_task, cfg)
-    return _tracked(
-        cfg, task(cfg.examples, cfg.seed, cfg.ray, encode, tokenizer, str(cfg.workspace))
-    )
+    task = cached(examples_task, cfg)
+    workspace = str(cfg.workspace)
+    state = task(cfg.examples, cfg.seed, cfg.ray, encode, tokenizer, workspace, return_state=True)
+    return _tracked(cfg, stage_summary(state))
 
 
 def pretrain_step(cfg: RunConfig, stages: Stages, resume: bool = False) -> Stages:
@@ -133,8 +145,8 @@ def downstream_step(cfg: RunConfig, stages: Stages) -> Stages:
         raise ConfigError("this command needs a `task` section (the downstream dataset)")
     dataset = cfg.task.resolved()
     out = cfg.workspace / "downstream" / dataset.name
-    task = retrying(prepare_downstream_task, cfg)
-    result = task(dataset, str(cfg.task.base_dir), str(out))
+    task = cached(prepare_downstream_task, cfg)
+    result = stage_summary(task(dataset, str(cfg.task.base_dir), str(out), return_state=True))
     rows = {f"{split}_rows": float(entry["rows"]) for split, entry in result["splits"].items()}
     params = {"task": public_dump(dataset)}
     run_id = retrying(record_stage_task, cfg)(cfg, "downstream", result, params, rows)

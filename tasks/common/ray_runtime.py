@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -166,7 +167,7 @@ def ensure_ray(cfg: RayConfig) -> None:
         # while `ray.init` starts it, not as a job runtime_env: Ray prestarts its workers
         # without the job's runtime_env, could not use them for its tasks, and would start
         # a second set (measured: 2 idle workers of 80 MiB each, and a slower first task).
-        with scoped_environ(env):
+        with scoped_environ(env), keep_sigterm_handler():
             ray.init(
                 num_cpus=cfg.num_cpus or cfg.num_workers + 2,
                 object_store_memory=cfg.object_store_mb << 20,
@@ -174,6 +175,29 @@ def ensure_ray(cfg: RayConfig) -> None:
                 _node_ip_address="127.0.0.1",
                 log_to_driver=False,
             )
+
+
+@contextlib.contextmanager
+def keep_sigterm_handler() -> Iterator[None]:
+    """Put back, after the block, a Python SIGTERM handler that the block replaced.
+
+    `ray.init` starting a local Ray installs its own handler (stop the node's processes, then
+    `sys.exit`), which ended the CLI with a crash instead of its exit 143. The CLI's handler
+    raises instead, and Ray's processes still stop: `ray.shutdown` runs at exit. Without a
+    Python handler (the default action) Ray's stays, so a plain process still cleans up.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread sets handlers; Ray leaves them alone there too
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(previous):
+            signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -213,6 +237,32 @@ def _loopback_node_ip() -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def run_units(
+    fn: Callable[..., T],
+    items: Sequence[Any],
+    ray_cfg: RayConfig,
+    on_done: Callable[[int, T], None] | None = None,
+    sizes: Sequence[int] | None = None,
+) -> list[T]:
+    """Run a stage's `fn(item)` for every work unit; results in input order.
+
+    On Ray (`ensure_ray`, then `map_bounded` with `ray_cfg.num_workers` in flight), except a
+    job of one unit with no Ray connected or configured (`ray.address`, `RAY_ADDRESS`): that
+    one runs here, since starting a local Ray (several seconds) would cost more than the unit.
+    """
+    connected = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    cluster = ray_cfg.address is not None or bool(os.environ.get("RAY_ADDRESS"))
+    if len(items) <= 1 and not connected and not cluster:
+        results = []
+        for index, item in enumerate(items):
+            results.append(fn(item))
+            if on_done is not None:
+                on_done(index, results[index])
+        return results
+    ensure_ray(ray_cfg)
+    return map_bounded(fn, items, ray_cfg.num_workers, on_done, sizes)
 
 
 def map_bounded(

@@ -16,7 +16,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -59,13 +59,17 @@ class StageOutput:
 
     ```python
     out = plan_output(STAGE, inputs, config, workspace=workspace)  # fingerprint and place
-    done = out.reuse(complete_sharded)  # complete with this fingerprint: swept, reused
+    done = out.reuse(complete_sharded, rebuild)  # complete with this fingerprint: reused
     if done is not None:
         return StageResult(out.path, done, reused=True)
+    out = out.build_aside() if rebuild else out  # a forced rebuild never touches the old one
     staging = out.open_staging()  # or `tmp = out.open_temp_dir()` for an output built aside
     ...  # write the output's files
     return out.commit({**out.header(), ...})  # manifest.json last, then the sweep
     ```
+
+    `rebuild` (a refreshed Prefect cache, `tasks.common.caching`) makes a complete output be
+    built again; the new one replaces it whole at `commit`.
     """
 
     stage: str
@@ -74,22 +78,38 @@ class StageOutput:
     config: dict[str, Any]
     code: dict[str, str | None]
     inputs: Any
+    #: Where `commit` moves this output when it is built aside (`build_aside`); else None.
+    target: Path | None = None
 
     def header(self) -> dict[str, Any]:
         """The keys this output's manifest starts with (`manifest_header`)."""
         return manifest_header(self.stage, self.fingerprint, self.config, self.code, self.inputs)
 
-    def reuse(self, complete: Callable[[Path], Manifest | None]) -> Manifest | None:
+    def reuse(
+        self, complete: Callable[[Path], Manifest | None], rebuild: bool = False
+    ) -> Manifest | None:
         """Return the manifest of a complete output here, its leftovers swept; else None.
 
         Args:
             complete: The stage's completeness check: the manifest of a complete output at a
                 path, else None (`complete_manifest`, `complete_sharded`, or the stage's own).
+            rebuild: Build the output again even when it is complete (None, unchecked).
         """
+        if rebuild:
+            return None
         manifest = complete(self.path)
         if manifest is not None:
             sweep_leftovers(self.path)
         return manifest
+
+    def build_aside(self) -> StageOutput:
+        """This output, to be built in a fresh temp directory beside it, for `commit` to swap in.
+
+        A stage that builds in place (`open_staging`) rebuilds a complete output this way, so
+        that readers see the old output or the new one, never a mix.
+        """
+        remove_stale_temps(self.path)
+        return replace(self, path=temp_dir_beside(self.path), target=self.path)
 
     def open_staging(self) -> Path:
         """Create the output directory's `_staging/` for a stage that builds in place."""
@@ -106,13 +126,17 @@ class StageOutput:
         Args:
             manifest: The finished output's manifest.
             built_in: The temp directory from `open_temp_dir`, when the output was built there;
-                None when it was built in place.
+                None when it was built in place (or aside, `build_aside`).
         """
         write_json_atomic((built_in or self.path) / "manifest.json", manifest)
         if built_in is not None:
             commit_dir(built_in, self.path)
-        sweep_leftovers(self.path)
-        return StageResult(self.path, manifest, reused=False)
+        final = self.path
+        if self.target is not None:
+            commit_dir(self.path, self.target)
+            final = self.target
+        sweep_leftovers(final)
+        return StageResult(final, manifest, reused=False)
 
 
 def plan_output(
@@ -212,10 +236,19 @@ def temp_dir_beside(out: Path) -> Path:
 
 
 def commit_dir(tmp: Path, out: Path) -> None:
-    """Move a fully written temp directory to `out`, replacing an incomplete leftover there."""
+    """Move a fully written temp directory to `out`, replacing what is there.
+
+    What is there is first renamed to a temp name beside it and deleted after the move, so
+    `out` is only ever absent between two renames, never half deleted; a run killed between
+    them leaves no output (rebuilt next time) and a temp that `remove_stale_temps` deletes.
+    """
+    old = None
     if out.exists():
-        shutil.rmtree(out)
+        old = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-old")
+        os.replace(out, old)
     os.replace(tmp, out)
+    if old is not None:
+        _remove(old)
 
 
 def remove_stale_temps(out: Path) -> None:

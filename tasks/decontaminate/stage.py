@@ -31,13 +31,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 
 from tasks.common import schema
+from tasks.common.caching import refresh_requested, stage_task
 from tasks.common.io import public_dump, read_ipc_stream, safe_join
 from tasks.common.stage import (
     StageInputError,
+    StageOutput,
     StageResult,
     file_entry,
     files_complete,
@@ -92,12 +93,36 @@ def eval_inputs(cfg: DecontaminateConfig) -> list[dict[str, Any]]:
     return described
 
 
-def run_decontaminate(cfg: DecontaminateConfig, ingest_dir: Path, workspace: Path) -> StageResult:
+def plan_decontaminate(
+    cfg: DecontaminateConfig, ingest_dir: Path | str, workspace: Path | str
+) -> StageOutput | None:
+    """Plan the decontaminated output: fingerprint (ingest, eval files, config, code), place.
+
+    None with `cfg.enabled` False: the stage then makes no output of its own.
+
+    Raises:
+        StageInputError: the ingest output is unfinished or lacks a file it lists.
+        ValueError: enabled without tasks.
+    """
+    ingest = read_upstream(ingest_dir, UPSTREAM)
+    if not cfg.enabled:
+        return None
+    if not cfg.tasks:
+        raise ValueError("decontaminate.enabled is true but decontaminate.tasks lists no task")
+    _check_upstream(Path(ingest_dir), ingest)
+    inputs = {"ingest": ingest["fingerprint"], "eval_tasks": eval_inputs(cfg)}
+    return plan_output(STAGE, inputs, public_dump(cfg), workspace=Path(workspace))
+
+
+def run_decontaminate(
+    cfg: DecontaminateConfig, ingest_dir: Path, workspace: Path, rebuild: bool = False
+) -> StageResult:
     """Remove the documents of an ingest output that share an n-gram with the eval sets.
 
     With `cfg.enabled` False the ingest output itself is returned (same path, reused), so
     that nothing downstream changes. Every split is decontaminated: contamination of held-out
-    pretraining data inflates its numbers too.
+    pretraining data inflates its numbers too. With `rebuild` a complete output is made again
+    and replaced whole.
 
     Raises:
         StageInputError: the ingest output is unfinished or lacks a file it lists.
@@ -105,14 +130,11 @@ def run_decontaminate(cfg: DecontaminateConfig, ingest_dir: Path, workspace: Pat
     """
     started = time.monotonic()
     ingest = read_upstream(ingest_dir, UPSTREAM)
-    if not cfg.enabled:
+    out = plan_decontaminate(cfg, ingest_dir, workspace)
+    if out is None:
         return StageResult(ingest_dir, ingest, reused=True)
-    if not cfg.tasks:
-        raise ValueError("decontaminate.enabled is true but decontaminate.tasks lists no task")
-    _check_upstream(ingest_dir, ingest)
-    inputs = {"ingest": ingest["fingerprint"], "eval_tasks": eval_inputs(cfg)}
-    out = plan_output(STAGE, inputs, public_dump(cfg), workspace=workspace)
-    done = out.reuse(complete_output)
+    inputs = out.inputs
+    done = out.reuse(complete_output, rebuild)
     if done is not None:
         return StageResult(out.path, done, reused=True)
     ngrams = _load_ngrams(cfg)
@@ -284,15 +306,16 @@ def decontamination_metrics(report: DecontaminationReport, elapsed_s: float) -> 
     return metrics
 
 
-@task(name="decontaminate", cache_policy=NO_CACHE)
+@stage_task(STAGE, plan_decontaminate, complete_output)
 def decontaminate_task(cfg: DecontaminateConfig, ingest_dir: str, workspace: str) -> dict[str, Any]:
     """Decontaminate the ingest output (or reuse a complete output); return its summary.
 
     The summary's `stage` is `decontaminate` (its manifest says `ingest`, its format); with
-    decontamination disabled its `path` is the ingest output's. Caching is the fingerprint
-    check in `run_decontaminate`, as for every stage.
+    decontamination disabled its `path` is the ingest output's. Prefect's cache key is the
+    output's fingerprint (`tasks.common.caching`), as for every stage.
     """
-    result = run_decontaminate(cfg, Path(ingest_dir), Path(workspace))
+    rebuild = refresh_requested()
+    result = run_decontaminate(cfg, Path(ingest_dir), Path(workspace), rebuild)
     report = result.manifest.get("decontamination")
     if report is not None and cfg.enabled:
         get_run_logger().info(

@@ -16,10 +16,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 from pydantic import BaseModel, ConfigDict, Field
 
+from tasks.common.caching import refresh_requested, stage_task
 from tasks.common.io import (
     DOWNSTREAM_STAGE,
     public_dump,
@@ -28,7 +28,7 @@ from tasks.common.io import (
     write_ipc_stream,
 )
 from tasks.common.schema import SCHEMA_VERSION
-from tasks.common.stage import file_entry, files_complete, plan_output
+from tasks.common.stage import StageOutput, file_entry, files_complete, plan_output
 from tasks.downstream.config import DatasetConfig
 from tasks.downstream.downstream import DownstreamData, SplitCounts, load_downstream, source_paths
 
@@ -84,13 +84,19 @@ def input_hashes(cfg: DatasetConfig, base_dir: Path) -> dict[str, str]:
     return hashes  # a missing file is refused by the loader, naming it
 
 
-def _complete(out_dir: Path, fp: str) -> DownstreamManifest | None:
+def complete_output(out_dir: Path) -> DownstreamManifest | None:
+    """The manifest of a complete prepared output at `out_dir` (of any fingerprint), else None."""
     path = out_dir / "manifest.json"
     if not path.is_file():
         return None
     manifest = DownstreamManifest.model_validate_json(path.read_text())
     entries = [entry.model_dump() for entry in manifest.splits.values()]
-    return manifest if manifest.fingerprint == fp and files_complete(out_dir, entries) else None
+    return manifest if files_complete(out_dir, entries) else None
+
+
+def _complete(out_dir: Path, fp: str) -> DownstreamManifest | None:
+    manifest = complete_output(out_dir)
+    return manifest if manifest is not None and manifest.fingerprint == fp else None
 
 
 def _write(data: DownstreamData, tmp: Path) -> dict[str, SplitEntry]:
@@ -109,10 +115,21 @@ def _write(data: DownstreamData, tmp: Path) -> dict[str, SplitEntry]:
     return entries
 
 
-def prepare(cfg: DatasetConfig, base_dir: Path, out_dir: Path) -> tuple[DownstreamManifest, bool]:
-    """Prepare `cfg` into `out_dir`, or reuse a complete output; return (manifest, reused)."""
-    out = plan_output(STAGE, input_hashes(cfg, base_dir), public_dump(cfg), path=out_dir)
-    done = out.reuse(partial(_complete, fp=out.fingerprint))
+def plan_downstream(cfg: DatasetConfig, base_dir: Path | str, out_dir: Path | str) -> StageOutput:
+    """Plan the prepared output at `out_dir`: its fingerprint (inputs' sha256, config, code)."""
+    hashes = input_hashes(cfg, Path(base_dir))
+    return plan_output(STAGE, hashes, public_dump(cfg), path=Path(out_dir))
+
+
+def prepare(
+    cfg: DatasetConfig, base_dir: Path, out_dir: Path, rebuild: bool = False
+) -> tuple[DownstreamManifest, bool]:
+    """Prepare `cfg` into `out_dir`, or reuse a complete output; return (manifest, reused).
+
+    With `rebuild` a complete output is prepared again and replaced whole.
+    """
+    out = plan_downstream(cfg, base_dir, out_dir)
+    done = out.reuse(partial(_complete, fp=out.fingerprint), rebuild)
     if done is not None:
         return done, True
     data = load_downstream(cfg, base_dir)
@@ -144,14 +161,15 @@ def prepare_downstream(cfg: DatasetConfig, base_dir: Path, out_dir: Path) -> Dow
     return prepare(cfg, base_dir, out_dir)[0]
 
 
-@task(name="prepare-downstream", cache_policy=NO_CACHE)
+@stage_task("prepare-downstream", plan_downstream, complete_output)
 def prepare_downstream_task(cfg: DatasetConfig, base_dir: str, out_dir: str) -> dict[str, Any]:
     """Prepare one downstream dataset (or reuse it); return its manifest as a summary.
 
-    Caching is the fingerprint check in `prepare` (one mechanism for every stage); the summary
-    adds `reused`.
+    Prefect's cache key is the output's fingerprint (`tasks.common.caching`), as for every
+    stage; the summary adds `reused`.
     """
-    manifest, reused = prepare(cfg, Path(base_dir), Path(out_dir))
+    rebuild = refresh_requested()
+    manifest, reused = prepare(cfg, Path(base_dir), Path(out_dir), rebuild)
     get_run_logger().info(
         "downstream %s %s: %s, %s",
         manifest.name,

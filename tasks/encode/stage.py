@@ -14,15 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 from tokenizers import Tokenizer
 
 from tasks.common import schema
+from tasks.common.caching import refresh_requested, stage_task
 from tasks.common.io import atomic_writer, public_dump, safe_join
 from tasks.common.progress import Reporter, make_reporter, ticker
-from tasks.common.ray_runtime import RayConfig, ensure_ray, map_bounded
+from tasks.common.ray_runtime import RayConfig, run_units
 from tasks.common.stage import (
+    StageOutput,
     StageResult,
     complete_sharded,
     plan_output,
@@ -44,6 +45,20 @@ STAGE = "encode"
 HISTOGRAM_PNG = "tokens_per_document.png"
 
 
+def plan_encode(
+    cfg: EncodeConfig, ingest_dir: Path | str, tokenizer_dir: Path | str, workspace: Path | str
+) -> StageOutput:
+    """Plan the encode output: fingerprint (ingest, tokenizer, config, code) and place.
+
+    Raises:
+        StageInputError: an upstream output is not finished, or another stage's.
+    """
+    ingest = read_upstream(ingest_dir, "ingest")
+    tokenizer = read_upstream(tokenizer_dir, "tokenizer")
+    inputs = {"ingest": ingest["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
+    return plan_output(STAGE, inputs, public_dump(cfg), workspace=Path(workspace))
+
+
 def run_encode(
     cfg: EncodeConfig,
     ray_cfg: RayConfig,
@@ -51,19 +66,20 @@ def run_encode(
     tokenizer_dir: Path,
     workspace: Path,
     progress: Reporter | None = None,
+    rebuild: bool = False,
 ) -> StageResult:
-    """Encode every split of an ingest output with a tokenizer output, on Ray.
+    """Encode every split of an ingest output with a tokenizer output (`run_units`: on Ray).
 
-    A complete output with the same fingerprint (ingest, tokenizer, config, code) is reused.
+    A complete output of the same fingerprint is reused; with `rebuild`, encoded aside and swapped.
     """
     started = time.monotonic()
     ingest = read_upstream(ingest_dir, "ingest")
     tokenizer = read_upstream(tokenizer_dir, "tokenizer")
-    inputs = {"ingest": ingest["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
-    out = plan_output(STAGE, inputs, public_dump(cfg), workspace=workspace)
-    done = out.reuse(complete_sharded)
+    out = plan_encode(cfg, ingest_dir, tokenizer_dir, workspace)
+    done = out.reuse(complete_sharded, rebuild)
     if done is not None:
         return StageResult(out.path, done, reused=True)
+    out = out.build_aside() if rebuild else out
     verify_shards(ingest_dir, [s for _, s in shards_of(ingest)], "ingest")
     staging = out.open_staging()
     tok_file = tokenizer_dir / "tokenizer.json"
@@ -85,10 +101,9 @@ def run_encode(
         )
         for _, shard, start, stop, name in parts
     ]
-    ensure_ray(ray_cfg)
     tick = ticker(progress, "encode", len(jobs))
     sizes = [job.stop - job.start for job in jobs]
-    results = map_bounded(encode_shard, jobs, ray_cfg.num_workers, on_done=tick, sizes=sizes)
+    results = run_units(encode_shard, jobs, ray_cfg, on_done=tick, sizes=sizes)
     splits, total = split_entries(list(ingest["splits"]), parts, results)
     plot_histogram(total, out.path / HISTOGRAM_PNG)
     manifest = {
@@ -195,14 +210,24 @@ def plot_histogram(total: dict[str, Any], path: Path) -> None:
         figure.savefig(handle, format="png")
 
 
-@task(name="encode", cache_policy=NO_CACHE)
+@stage_task(STAGE, plan_encode, complete_sharded)
 def encode_task(
     cfg: EncodeConfig, ray_cfg: RayConfig, ingest_dir: str, tokenizer_dir: str, workspace: str
 ) -> dict[str, Any]:
-    """Encode the corpus into token shards (or reuse a complete output); return its summary."""
+    """Encode the corpus into token shards (or reuse a complete output); return its summary.
+
+    Prefect's cache key is the output's fingerprint (`tasks.common.caching`); a refreshed
+    cache encodes it again.
+    """
     logger = get_run_logger()
     result = run_encode(
-        cfg, ray_cfg, Path(ingest_dir), Path(tokenizer_dir), Path(workspace), make_reporter(logger)
+        cfg,
+        ray_cfg,
+        Path(ingest_dir),
+        Path(tokenizer_dir),
+        Path(workspace),
+        make_reporter(logger),
+        rebuild=refresh_requested(),
     )
     metrics = result.manifest["metrics"]
     logger.info(

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 from tokenizers import Tokenizer
 
 from tasks.common import schema
+from tasks.common.caching import refresh_requested, stage_task
 from tasks.common.io import (
     public_dump,
     read_ipc_stream,
@@ -31,8 +31,9 @@ from tasks.common.io import (
     write_json_atomic,
 )
 from tasks.common.progress import Reporter, make_reporter, ticker
-from tasks.common.ray_runtime import RayConfig, ensure_ray, map_bounded
+from tasks.common.ray_runtime import RayConfig, run_units
 from tasks.common.stage import (
+    StageOutput,
     StageResult,
     complete_sharded,
     plan_output,
@@ -102,6 +103,24 @@ def examples_shard(job: ExamplesJob) -> dict[str, Any]:
     return {**counts, **stats}
 
 
+def plan_examples(
+    cfg: ExamplesConfig,
+    seed: int,
+    encode_dir: Path | str,
+    tokenizer_dir: Path | str,
+    workspace: Path | str,
+) -> StageOutput:
+    """Plan the examples output: fingerprint (encoding, tokenizer, config, seed, code), place.
+
+    Raises:
+        StageInputError: an upstream output is not finished, or another stage's.
+    """
+    encode = read_upstream(encode_dir, "encode")
+    tokenizer = read_upstream(tokenizer_dir, "tokenizer")
+    inputs = {"encode": encode["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
+    return plan_output(STAGE, inputs, public_dump(cfg), workspace=Path(workspace), seed=seed)
+
+
 def run_examples(
     cfg: ExamplesConfig,
     seed: int,
@@ -110,11 +129,12 @@ def run_examples(
     tokenizer_dir: Path,
     workspace: Path,
     progress: Reporter | None = None,
+    rebuild: bool = False,
 ) -> StageResult:
     """Cut the encoded train and validation splits into examples of `cfg.objective`, on Ray.
 
     A complete output with the same fingerprint (encoding, tokenizer, config, seed, code) is
-    reused as it is.
+    reused as it is; with `rebuild` it is cut again aside and swapped in whole.
     """
     started = time.monotonic()
     encode = read_upstream(encode_dir, "encode")
@@ -123,11 +143,11 @@ def run_examples(
     specials = objective_specials(
         cfg.objective, tok_cfg, tokenizer["special_tokens"], encode["vocab_size"]
     )
-    inputs = {"encode": encode["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
-    out = plan_output(STAGE, inputs, public_dump(cfg), workspace=workspace, seed=seed)
-    done = out.reuse(complete_sharded)
+    out = plan_examples(cfg, seed, encode_dir, tokenizer_dir, workspace)
+    done = out.reuse(complete_sharded, rebuild)
     if done is not None:
         return StageResult(out.path, done, reused=True)
+    out = out.build_aside() if rebuild else out
     used = [s for split in SPLITS for _, s in shards_of(encode, split)]
     verify_shards(encode_dir, used, "encode")
     staging = out.open_staging()
@@ -135,9 +155,8 @@ def run_examples(
     words, random_ids = vocabulary_lookups(cfg, tokenizer_dir, tok_cfg, specials)
     first = ShardContext(seed, 0, 0, specials, ids_type, words, random_ids)
     jobs, where, sizes = example_jobs(cfg, first, encode, encode_dir, out.path, staging)
-    ensure_ray(ray_cfg)
     tick = ticker(progress, "examples", len(jobs))
-    results = map_bounded(examples_shard, jobs, ray_cfg.num_workers, on_done=tick, sizes=sizes)
+    results = run_units(examples_shard, jobs, ray_cfg, on_done=tick, sizes=sizes)
     splits = split_entries(cfg, where, results)
     manifest = {
         **out.header(),
@@ -293,7 +312,7 @@ def realised(cfg: ExamplesConfig, counts: dict[str, int]) -> dict[str, float]:
     return stats
 
 
-@task(name="examples", cache_policy=NO_CACHE)
+@stage_task(STAGE, plan_examples, complete_sharded)
 def examples_task(
     cfg: ExamplesConfig,
     seed: int,
@@ -302,7 +321,11 @@ def examples_task(
     tokenizer_dir: str,
     workspace: str,
 ) -> dict[str, Any]:
-    """Cut the examples (or reuse a complete output); return the stage summary."""
+    """Cut the examples (or reuse a complete output); return the stage summary.
+
+    Prefect's cache key is the output's fingerprint (`tasks.common.caching`); a refreshed
+    cache cuts them again.
+    """
     logger = get_run_logger()
     result = run_examples(
         cfg,
@@ -312,6 +335,7 @@ def examples_task(
         Path(tokenizer_dir),
         Path(workspace),
         make_reporter(logger),
+        rebuild=refresh_requested(),
     )
     logger.info(
         "examples %s (%s): %s, %s",

@@ -17,10 +17,10 @@ from typing import Any
 
 import fsspec
 import xxhash
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 
 from tasks.common import schema
+from tasks.common.caching import refresh_requested, stage_task
 from tasks.common.io import (
     fingerprint,
     public_dump,
@@ -28,8 +28,8 @@ from tasks.common.io import (
     safe_join,
 )
 from tasks.common.progress import make_reporter, ticker
-from tasks.common.ray_runtime import RayConfig, ensure_ray, map_bounded
-from tasks.common.stage import StageResult, files_complete, plan_output
+from tasks.common.ray_runtime import RayConfig, run_units
+from tasks.common.stage import StageOutput, StageResult, files_complete, plan_output
 from tasks.ingest.ingest import (
     IngestConfig,
     UnitJob,
@@ -89,24 +89,43 @@ def _source_key(cfg: IngestConfig, name: str) -> str:
     )
 
 
+def plan_ingest(cfg: IngestConfig, workspace: Path | str) -> StageOutput:
+    """Plan the ingest output of `cfg`: fingerprint (inputs' bytes, config, code) and place."""
+    return _planned(cfg, *_inputs(cfg), Path(workspace))
+
+
+def _planned(
+    cfg: IngestConfig,
+    files: list[InputFile],
+    storage: dict[str, dict[str, str]],
+    workspace: Path,
+) -> StageOutput:
+    inputs = describe_inputs(cfg, files, storage)
+    return plan_output(STAGE, inputs, public_config(cfg), workspace=workspace)
+
+
 def run_ingest(
-    cfg: IngestConfig, ray_cfg: RayConfig, workspace: Path, progress: Progress | None = None
+    cfg: IngestConfig,
+    ray_cfg: RayConfig,
+    workspace: Path,
+    progress: Progress | None = None,
+    rebuild: bool = False,
 ) -> StageResult:
     """Ingest the configured sources into `<workspace>/ingest/<fingerprint>/`.
 
-    A complete output with the same fingerprint (inputs' bytes, config, code) is reused as it is;
-    an interrupted one resumes from its staged units. With `incremental`, a previous output whose
-    inputs are a subset of these is extended: only new files are read, old shards are kept.
+    A complete output with the same fingerprint (inputs' bytes, config, code) is reused as it is
+    (built again aside and swapped in with `rebuild`); an interrupted one resumes from its staged
+    units. With `incremental`, a previous output whose inputs are a subset of these is extended:
+    only new files are read, old shards are kept.
     """
     started = time.monotonic()
     resolve_splitter(cfg.sentences)  # a plug-in that cannot be imported is refused up front
     files, storage = _inputs(cfg)
-    out = plan_output(
-        STAGE, describe_inputs(cfg, files, storage), public_config(cfg), workspace=workspace
-    )
-    done = out.reuse(_complete_manifest)
+    out = _planned(cfg, files, storage, workspace)
+    done = out.reuse(_complete_manifest, rebuild)
     if done is not None:
         return StageResult(out.path, done, reused=True)
+    out = out.build_aside() if rebuild else out
     source_hash = str(out.code["source_hash"])
     base = (
         _previous(workspace, cfg, out.config, source_hash, out.inputs) if cfg.incremental else None
@@ -170,13 +189,12 @@ def _read_units(
     storage: dict[str, dict[str, str]],
     progress: Progress | None,
 ) -> list[dict[str, Any]]:
-    """Read every unit on Ray into `staging`; return their summaries, in unit order."""
-    ensure_ray(ray_cfg)
+    """Read every unit into `staging` (on Ray, `run_units`); their summaries, in unit order."""
     tick = ticker(progress, "read", len(units))
-    return map_bounded(
+    return run_units(
         process_unit,
         [UnitJob(u, cfg, str(staging), storage[u.file.source]) for u in units],
-        ray_cfg.num_workers,
+        ray_cfg,
         on_done=tick,
     )
 
@@ -242,7 +260,7 @@ def _finish(
     split_of = assign_split(keys.hi, cfg.split)
     jobs, names = shard_jobs(out, units, summaries, keys, dedup.keep, split_of, cfg, generation)
     tick = ticker(progress, "write", len(jobs))
-    written = map_bounded(write_shard, jobs, ray_cfg.num_workers, on_done=tick)
+    written = run_units(write_shard, jobs, ray_cfg, on_done=tick)
     return {
         "generation": generation,
         "extends": base["fingerprint"] if base else None,
@@ -256,15 +274,17 @@ def _finish(
     }
 
 
-@task(name="ingest", cache_policy=NO_CACHE)
+@stage_task(STAGE, plan_ingest, _complete_manifest)
 def ingest_task(cfg: IngestConfig, ray_cfg: RayConfig, workspace: str) -> dict[str, Any]:
     """Run ingestion (or reuse a complete output with the same fingerprint); return its summary.
 
-    Caching is lmpipe's fingerprint check inside `run_ingest`, not Prefect's result cache: the
-    fingerprint covers the inputs' bytes, which Prefect's input hashing cannot see.
+    Prefect's cache key is the output's fingerprint, which covers the inputs' bytes
+    (`tasks.common.caching`); a refreshed cache rebuilds the output.
     """
     logger = get_run_logger()
-    result = run_ingest(cfg, ray_cfg, Path(workspace), progress=make_reporter(logger))
+    result = run_ingest(
+        cfg, ray_cfg, Path(workspace), make_reporter(logger), rebuild=refresh_requested()
+    )
     counts = result.manifest["counts"]
     logger.info(
         "ingest %s: %s (%s)",

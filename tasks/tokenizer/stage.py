@@ -20,13 +20,14 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 from tokenizers import Tokenizer
 
 from tasks.common import schema
+from tasks.common.caching import refresh_requested, stage_task
 from tasks.common.io import public_dump, read_ipc_stream, safe_join, sha256_file
 from tasks.common.stage import (
+    StageOutput,
     StageResult,
     complete_manifest,
     file_entry,
@@ -131,20 +132,35 @@ def _train(
     return train_tokenizer(training_texts(ingest_dir, ingest, picks, counter), cfg), plan
 
 
-def run_tokenizer(cfg: TokenizerConfig, ingest_dir: Path, workspace: Path) -> StageResult:
-    """Train the tokenizer on an ingest output's train split (or load your own files).
+def plan_tokenizer(
+    cfg: TokenizerConfig, ingest_dir: Path | str, workspace: Path | str
+) -> StageOutput:
+    """Plan the tokenizer output: fingerprint (the corpus's or your files', config, code), place.
 
-    A complete output with the same fingerprint is reused as it is.
+    Raises:
+        StageInputError: `ingest_dir` holds no finished ingest-format output.
     """
-    started = time.monotonic()
     ingest = read_upstream(ingest_dir, "ingest")
     inputs = (
         {"files": _own_files(cfg)}
         if cfg.pretrained is not None
         else {"ingest": ingest["fingerprint"], "split": TRAIN_SPLIT}
     )
-    out = plan_output(STAGE, inputs, public_dump(cfg), workspace=workspace)
-    done = out.reuse(complete_manifest)
+    return plan_output(STAGE, inputs, public_dump(cfg), workspace=Path(workspace))
+
+
+def run_tokenizer(
+    cfg: TokenizerConfig, ingest_dir: Path, workspace: Path, rebuild: bool = False
+) -> StageResult:
+    """Train the tokenizer on an ingest output's train split (or load your own files).
+
+    A complete output with the same fingerprint is reused as it is; with `rebuild` it is
+    trained again and replaced whole.
+    """
+    started = time.monotonic()
+    ingest = read_upstream(ingest_dir, "ingest")
+    out = plan_tokenizer(cfg, ingest_dir, workspace)
+    done = out.reuse(complete_manifest, rebuild)
     if done is not None:
         return StageResult(out.path, done, reused=True)
     counter = {"documents": 0, "characters": 0}
@@ -179,13 +195,15 @@ def run_tokenizer(cfg: TokenizerConfig, ingest_dir: Path, workspace: Path) -> St
     return out.commit(manifest, built_in=tmp)
 
 
-@task(name="tokenizer", cache_policy=NO_CACHE)
+@stage_task(STAGE, plan_tokenizer, complete_manifest)
 def tokenizer_task(cfg: TokenizerConfig, ingest_dir: str, workspace: str) -> dict[str, Any]:
     """Train (or load) the tokenizer, or reuse a complete output; return its summary.
 
-    Caching is the fingerprint check in `run_tokenizer` (one mechanism for every stage).
+    Prefect's cache key is the output's fingerprint (`tasks.common.caching`); a refreshed
+    cache retrains it.
     """
-    result = run_tokenizer(cfg, Path(ingest_dir), Path(workspace))
+    rebuild = refresh_requested()
+    result = run_tokenizer(cfg, Path(ingest_dir), Path(workspace), rebuild)
     metrics = result.manifest["metrics"]
     get_run_logger().info(
         "tokenizer %s: %s, %s tokens (%s padded), trained in %s s on %s documents",

@@ -41,7 +41,7 @@ from training.evaluate.prompting import classify_by_prompting
 from training.evaluate.report import html_page, markdown_table
 from training.models.export import load_export
 from training.models.models import FAMILIES
-from training.registry.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
+from training.registry.tracking import DatasetRef, TrackingConfig, output_ref, tracked_run
 from training.runtime.progress import ProgressSpec, artifact_key, local_progress
 
 log = logging.getLogger(__name__)
@@ -243,6 +243,21 @@ def evaluate_fingerprint(
     )
 
 
+def evaluate_inputs(
+    model_dir: Path, examples: tuple[Path, Path] | None, task_dir: Path | None
+) -> list[DatasetRef]:
+    """What an evaluation reads: the model, and the examples, tokenizer and task when given."""
+    from training.finetune.stage import model_fingerprint
+
+    refs = [DatasetRef("model", model_fingerprint(model_dir), str(model_dir), "evaluation")]
+    if examples is not None:
+        refs += [output_ref("examples", examples[0], "evaluation")]
+        refs += [output_ref("tokenizer", examples[1], "evaluation")]
+    if task_dir is not None:
+        refs.append(output_ref("downstream", task_dir, "evaluation"))
+    return refs
+
+
 def _finetuned_identity(finetuned: dict[str, Any] | None) -> str | None:
     # A fine-tuning run directory is named by its own identity (data, model, config, seed).
     return Path(finetuned["run_dir"]).name if finetuned else None
@@ -295,16 +310,16 @@ def evaluate_task(
     if finetuned:
         result["finetuned"] = _finetuned_section(finetuned)
     files, text = evaluation_report(result, tmp)
-    if tracking.enabled and tracking.tracking_uri:
-        uri = tracking.tracking_uri
-        tags = {"stage": "evaluate", "lmpipe.stage": "evaluate", "lmpipe.fingerprint": fp}
-        run_id = open_run(tracking, uri, Path(workspace), f"{run_name}-evaluate", tags)
-        tracker = MlflowTracker(uri, run_id)
+    tags = {"stage": "evaluate", "lmpipe.stage": "evaluate", "lmpipe.fingerprint": fp}
+    name = f"{run_name}-evaluate"
+    with tracked_run(tracking, Path(workspace), name, tags) as tracker:
+        if tracker.run_id is not None:
+            tracker.log_inputs(evaluate_inputs(Path(model_dir), examples_paths, task_path))
         tracker.log_metrics(_numbers(result))
         for path in files:
             tracker.log_artifact(path, "evaluation")
-        set_run_status(uri, run_id, "FINISHED")
-        result["mlflow_run_id"] = run_id
+        if tracker.run_id is not None:
+            result["mlflow_run_id"] = tracker.run_id
     summary = {"stage": "evaluate", "fingerprint": fp, **result}
     manifest = {
         "stage": "evaluate",

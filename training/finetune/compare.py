@@ -21,7 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from training.evaluate.report import comparison_report
 from training.finetune.config import CompareConfig as CompareConfig
 from training.finetune.config import CompareEntry as CompareEntry
-from training.registry.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
+from training.registry.tracking import TrackingConfig, output_ref, tracked_run
 
 
 def summarise_comparison(
@@ -72,31 +72,31 @@ def log_comparison(
     tracking: TrackingConfig,
     workspace: Path,
     run_name: str,
+    data_dir: Path | None = None,
 ) -> str:
     """Write the comparison report; log it with per-row metrics to a summary MLflow run.
 
-    Returns the Markdown table.
+    `data_dir`, the prepared task the runs were fine-tuned and tested on, is the run's dataset
+    input. The run ends FAILED when logging raises. Returns the Markdown table.
     """
     files, text = comparison_report(rows, metric, out_dir, f"Strategy comparison ({metric})")
-    uri = tracking.tracking_uri if tracking.enabled else None
-    if uri is None:
-        return text
-    run_id = open_run(tracking, uri, workspace, f"{run_name}-compare", {"stage": "compare"})
-    tracker = MlflowTracker(uri, run_id)
-    tracker.log_params({"metric": metric, "rows": ",".join(str(r["strategy"]) for r in rows)})
-    for row in rows:
-        key = "".join(c if c.isalnum() else "_" for c in str(row["strategy"]))
-        tracker.log_metrics(
-            {
-                f"{key}_{metric}_mean": float(row["mean"]),
-                f"{key}_{metric}_std": float(row["std"]),
-                f"{key}_trainable_parameters": float(row["trainable_parameters"]),
-                f"{key}_train_time_s": float(row["train_time_s"]),
-            }
-        )
-    for path in files:
-        tracker.log_artifact(path, "comparison")
-    set_run_status(uri, run_id, "FINISHED")
+    name = f"{run_name}-compare"
+    with tracked_run(tracking, workspace, name, {"stage": "compare"}) as tracker:
+        if data_dir is not None:
+            tracker.log_inputs([output_ref("downstream", data_dir, "evaluation")])
+        tracker.log_params({"metric": metric, "rows": ",".join(str(r["strategy"]) for r in rows)})
+        for row in rows:
+            key = "".join(c if c.isalnum() else "_" for c in str(row["strategy"]))
+            tracker.log_metrics(
+                {
+                    f"{key}_{metric}_mean": float(row["mean"]),
+                    f"{key}_{metric}_std": float(row["std"]),
+                    f"{key}_trainable_parameters": float(row["trainable_parameters"]),
+                    f"{key}_train_time_s": float(row["train_time_s"]),
+                }
+            )
+        for path in files:
+            tracker.log_artifact(path, "comparison")
     return text
 
 
@@ -109,9 +109,11 @@ def compare_task(
     tracking: TrackingConfig,
     workspace: str,
     run_name: str,
+    data_dir: str | None = None,
 ) -> list[dict[str, Any]]:
     """Prefect task: summarise, log and publish the comparison (a Markdown artifact)."""
     rows, chosen = summarise_comparison(names, summaries, metric)
-    text = log_comparison(rows, chosen, Path(out_dir), tracking, Path(workspace), run_name)
+    data = Path(data_dir) if data_dir else None
+    text = log_comparison(rows, chosen, Path(out_dir), tracking, Path(workspace), run_name, data)
     create_markdown_artifact(text, key="strategy-comparison", description="Strategy comparison")
     return rows

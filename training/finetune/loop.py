@@ -29,7 +29,7 @@ from training.finetune.strategies import apply_strategy, head_prefixes_for
 from training.models.export import max_length
 from training.models.task_models import load_task_model
 from training.registry.tracking import MlflowTracker, NullTracker, Tracker
-from training.runtime.context import RayWorkerContext, WorkerContext
+from training.runtime.context import LoopEntry, RayWorkerContext, WorkerContext
 from training.runtime.deepspeed import merge
 from training.runtime.engine import Engine, TorchEngine, initialize_deepspeed
 from training.runtime.progress import connect_progress
@@ -56,6 +56,15 @@ def finetune_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's entry point on every worker."""
     job = FinetuneJob.model_validate(config)
     run_finetune_worker(job, RayWorkerContext())
+
+
+def finetune_in_process(config: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
+    """The in-process launcher's entry point: the same loop on the driver's one rank."""
+    return run_finetune_worker(FinetuneJob.model_validate(config), ctx)
+
+
+#: The fine-tuning loop as both launchers call it (training/runtime/launcher.py).
+FINETUNE_LOOP = LoopEntry(finetune_loop_per_worker, finetune_in_process)
 
 
 def run_finetune_worker(job: FinetuneJob, ctx: WorkerContext) -> dict[str, Any]:

@@ -22,12 +22,18 @@ from prefect.cache_policies import NO_CACHE
 from tasks.common.io import fingerprint, flatten, sha256_file, source_hash, write_json_atomic
 from tasks.common.ray_runtime import RayConfig
 from training.finetune.config import FinetuneConfig
-from training.finetune.loop import FinetuneJob, finetune_loop_per_worker
+from training.finetune.loop import FINETUNE_LOOP, FinetuneJob
 from training.finetune.outputs import EXPORT_DIR, RESULT_FILE
 from training.registry.model_ref import BaseModelRef, resolve_base_model
 from training.registry.registry import register_export
-from training.registry.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
-from training.runtime.launcher import fit_on_ray
+from training.registry.tracking import (
+    DatasetRef,
+    MlflowTracker,
+    TrackingConfig,
+    output_ref,
+    tracked_run,
+)
+from training.runtime.launcher import fit
 from training.runtime.progress import ProgressSpec, artifact_key
 
 log = logging.getLogger(__name__)
@@ -57,7 +63,17 @@ def model_fingerprint(model_dir: Path) -> str:
 def finetune_run_id(cfg: FinetuneConfig, seed: int, data_dir: Path, model_dir: Path) -> str:
     """The run's identity: task data and base model fingerprints, the config, seed and code."""
     data = json.loads((data_dir / "manifest.json").read_text())["fingerprint"]
-    train = cfg.model_dump(mode="json", exclude={"register_model", "model_name", "alias", "base"})
+    # Where the one worker runs (Ray Train or this process) does not change what is trained.
+    train = cfg.model_dump(
+        mode="json",
+        exclude={
+            "register_model": True,
+            "model_name": True,
+            "alias": True,
+            "base": True,
+            "scale": {"launcher"},
+        },
+    )
     return fingerprint(
         {
             "data": data,
@@ -81,7 +97,7 @@ def run_finetune(
     mlflow_run_id: str | None = None,
     progress: ProgressSpec | None = None,
 ) -> FinetuneRun:
-    """Fine-tune on Ray Train (or reuse the finished run with the same identity).
+    """Fine-tune where `finetune.scale.launcher` says (or reuse the finished run of this identity).
 
     `progress`: how this process shows the run's progress (None: not at all).
     """
@@ -103,7 +119,7 @@ def run_finetune(
         mlflow_run_id=mlflow_run_id,
     )
     loop_config = job.model_dump(mode="json")
-    fit_on_ray(finetune_loop_per_worker, loop_config, cfg.scale, run_dir, ray_cfg, progress)
+    fit(FINETUNE_LOOP, loop_config, cfg.scale, run_dir, ray_cfg, progress)
     if not (run_dir / RESULT_FILE).is_file():
         raise RuntimeError(f"{run_dir}: fine-tuning ended without {RESULT_FILE}")
     return FinetuneRun(run_dir, json.loads((run_dir / RESULT_FILE).read_text()))
@@ -146,16 +162,17 @@ def finetune_stage(
         return dict(json.loads(record_file.read_text())) | {"reused": True}
     log.info("fine-tuning run %s: %s", run_id, cfg.precision_choice())
     uri = tracking.tracking_uri if tracking.enabled else None
-    mlflow_run: str | None = None
     task = json.loads((data_dir / "manifest.json").read_text())
-    if uri is not None:
-        tags = {"stage": "finetune", "finetune_run": run_id, "task_type": task["task_type"]}
-        mlflow_run = open_run(tracking, uri, workspace, f"{run_name}-finetune", tags | lineage)
-        MlflowTracker(uri, mlflow_run).log_params(
+    tags = {"stage": "finetune", "finetune_run": run_id, "task_type": task["task_type"]}
+    name = f"{run_name}-finetune"
+    with tracked_run(tracking, workspace, name, tags | lineage, system_metrics=True) as tracker:
+        mlflow_run = tracker.run_id
+        tracker.log_params(
             flatten({"finetune": cfg.model_dump(mode="json"), "seed": seed})
             | {"resolved_precision": cfg.precision, "requested_precision": cfg.requested_precision}
         )
-    try:
+        if mlflow_run is not None:  # hashing the base model's weights again costs seconds
+            tracker.log_inputs(finetune_inputs(data_dir, model_dir))
         run = run_finetune(
             cfg,
             seed,
@@ -171,14 +188,14 @@ def finetune_stage(
         summary["mlflow_run_id"] = mlflow_run
         if uri is not None and mlflow_run is not None:
             summary |= _publish(run, cfg, uri, mlflow_run, run_name, task, lineage)
-    except BaseException:
-        if uri is not None and mlflow_run is not None:
-            set_run_status(uri, mlflow_run, "FAILED")
-        raise
-    if uri is not None and mlflow_run is not None:
-        set_run_status(uri, mlflow_run, "FINISHED")
     write_json_atomic(record_file, summary)
     return summary | {"reused": False}
+
+
+def finetune_inputs(data_dir: Path, model_dir: Path) -> list[DatasetRef]:
+    """What a fine-tuning run reads: the prepared task data and the base model's files."""
+    model = DatasetRef("base_model", model_fingerprint(model_dir), str(model_dir), "training")
+    return [output_ref("downstream", data_dir, "training"), model]
 
 
 def _publish(

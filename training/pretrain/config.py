@@ -202,10 +202,18 @@ class GuardConfig(BaseModel):
 
 
 class ScaleConfig(BaseModel):
-    """How many Ray Train workers, and what each gets."""
+    """How many workers, what each gets, and where they run (Ray Train or this process)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks).")
+    launcher: Literal["auto", "ray", "in_process"] = Field(
+        "auto",
+        description="Where the workers run. ray: Ray Train workers, restarted from the last "
+        "checkpoint on failure (max_failures), on a cluster when ray.address is set. "
+        "in_process: one worker in this process, without starting Ray Train (no restarts). "
+        "auto: in_process for one worker with max_failures 0 and no Ray cluster address, "
+        "else ray.",
+    )
     use_gpu: bool = Field(False, description="One GPU per worker.")
     cpus_per_worker: float = Field(1, gt=0, description="Logical CPUs Ray reserves per worker.")
     threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per worker.")
@@ -226,6 +234,22 @@ class ScaleConfig(BaseModel):
         "report waits for it, so every checkpoint or epoch report can wait this long; Ray's "
         "own default of 2 s dominated short runs.",
     )
+
+    @model_validator(mode="after")
+    def _in_process_is_one_worker(self) -> Self:
+        if self.launcher != "in_process":
+            return self
+        if self.num_workers != 1:
+            raise ValueError(
+                f"launcher in_process runs one worker in this process, not num_workers "
+                f"{self.num_workers}: set num_workers to 1, or launcher to ray"
+            )
+        if self.max_failures != 0:
+            raise ValueError(
+                f"launcher in_process cannot restart a failed worker (max_failures "
+                f"{self.max_failures}): set max_failures to 0, or launcher to ray"
+            )
+        return self
 
 
 class CheckpointConfig(BaseModel):
@@ -376,6 +400,13 @@ class TrainConfig(AutoPrecision):
         False, description="Write the global sample ids each rank consumes, per step (audits)."
     )
     verify_shards: bool = Field(True, description="Check each example shard's sha256 at start.")
+    prefetch: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Build the next step's batches (gather, mask, pin) in a background thread "
+        "while the device runs this step. auto: on a GPU (the step then never waits on "
+        "NumPy); off on a CPU, whose cores run the step itself. It changes when the batches "
+        "are built, not what they hold.",
+    )
     deepspeed_extra: dict[str, Any] = Field(
         default_factory=dict, description="Extra DeepSpeed config keys, merged over the generated."
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from training.models.distill import DistillationModel
 from training.models.electra import ElectraPretrainer
 from training.models.flops import flops_per_token
 from training.models.pretraining_model import build_pretraining_model, zero3_leaf_modules
+from training.pretrain.audit import log_sample_ids, write_pid
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import (
     BatchBuilder,
@@ -47,10 +47,11 @@ from training.pretrain.losses import (
     exported_model,
     pretraining_loss,
 )
+from training.pretrain.prefetch import Prefetcher, StepPlan
 from training.registry.tracking import MlflowTracker, NullTracker, Tracker
 from training.runtime import checkpoint as ckpt
 from training.runtime import faults
-from training.runtime.context import RayWorkerContext, WorkerContext
+from training.runtime.context import LoopEntry, RayWorkerContext, WorkerContext
 from training.runtime.deepspeed import deepspeed_config, param_groups
 from training.runtime.engine import DeviceUpdate, autocast_for, initialize_deepspeed
 from training.runtime.guard import LossGuard
@@ -82,6 +83,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's entry point on every worker."""
     job = WorkerJob.model_validate(config)
     run_worker(job, RayWorkerContext())
+
+
+def train_in_process(config: dict[str, Any], ctx: WorkerContext) -> dict[str, float]:
+    """The in-process launcher's entry point: the same loop on the driver's one rank."""
+    return run_worker(WorkerJob.model_validate(config), ctx)
+
+
+#: The pretraining loop as both launchers call it (training/runtime/launcher.py).
+PRETRAIN_LOOP = LoopEntry(train_loop_per_worker, train_in_process)
 
 
 def run_worker(job: WorkerJob, ctx: WorkerContext) -> dict[str, float]:
@@ -123,7 +133,39 @@ class Worker:
             job.teacher_dir,
             job.tokenizer_dir,
         )
-        self.ds_config = deepspeed_config(self.cfg, ctx.world_size)
+        self._build_engine(model)
+        opt = self.cfg.optim
+        self.schedule = GroupLRSchedule(
+            self.engine.optimizer,
+            warmup_steps=min(opt.warmup_steps, self.cfg.max_steps),
+            total_steps=self.cfg.max_steps,
+            decay=opt.decay,
+            min_lr_ratio=opt.min_lr_ratio,
+        )
+        self.accum = self.cfg.accumulation_steps(ctx.world_size)
+        self.micro = self.cfg.micro_batch(ctx.world_size)
+        self._warn_if_zero_shards_nothing()
+        self.guard = LossGuard(self.cfg.guard)
+        self.guard.to(self.engine.device)
+        direct = self.cfg.zero_stage == 0 and ctx.world_size == 1 and self.cfg.precision != "fp16"
+        self.update = DeviceUpdate(self.engine, self.cfg.optim.grad_clip, self.ds_config, direct)
+        self.precision = functools.partial(autocast_for, self.ds_config, self.engine.device)
+        flops_at = functools.lru_cache(maxsize=8)(lambda seq: self._flops(manifest, seq))
+        tracker: Tracker = NullTracker()
+        if ctx.rank == 0 and job.tracking_uri and job.run_id:
+            tracker = MlflowTracker(job.tracking_uri, job.run_id)
+        self.telemetry = Telemetry(self.cfg, ctx, tracker, flops_at(length), flops_at)
+        self.progress = connect_progress(job.progress, ctx.rank, self.cfg.max_steps)
+        self.step, self.cursor, self.tokens_seen = 0, Cursor(), 0
+        ahead = self.cfg.prefetch == "on" or (
+            self.cfg.prefetch == "auto" and self.engine.device.type == "cuda"
+        )
+        self.batches = Prefetcher(self._plan, ahead)
+        torch.manual_seed(_seed_for(job.seed, ctx.rank))  # dropout differs across ranks
+
+    def _build_engine(self, model: torch.nn.Module) -> None:
+        """The DeepSpeed engine over `model`, and the loss function (compiled if asked)."""
+        self.ds_config = deepspeed_config(self.cfg, self.ctx.world_size)
         leaves = zero3_leaf_modules(model) if self.cfg.zero_stage == 3 else []
         self.engine = initialize_deepspeed(
             model,
@@ -143,36 +185,15 @@ class Worker:
         elif self.cfg.compile:  # ZeRO 3's gather hooks run around each module's forward
             for child in self.engine.module.children():
                 child.compile()
-        opt = self.cfg.optim
-        self.schedule = GroupLRSchedule(
-            self.engine.optimizer,
-            warmup_steps=min(opt.warmup_steps, self.cfg.max_steps),
-            total_steps=self.cfg.max_steps,
-            decay=opt.decay,
-            min_lr_ratio=opt.min_lr_ratio,
-        )
-        self.accum = self.cfg.accumulation_steps(ctx.world_size)
-        self.micro = self.cfg.micro_batch(ctx.world_size)
-        if self.cfg.zero_stage > 0 and ctx.world_size == 1 and ctx.rank == 0:
+
+    def _warn_if_zero_shards_nothing(self) -> None:
+        if self.cfg.zero_stage > 0 and self.ctx.world_size == 1 and self.ctx.rank == 0:
             log.warning(
                 "train.zero_stage=%d on one worker shards nothing but still pays ZeRO's "
                 "gradient bookkeeping (about 10%% of a CPU step, docs/pretraining.md); "
                 "zero_stage 0 is the single-worker setting",
                 self.cfg.zero_stage,
             )
-        self.guard = LossGuard(self.cfg.guard)
-        self.guard.to(self.engine.device)
-        direct = self.cfg.zero_stage == 0 and ctx.world_size == 1 and self.cfg.precision != "fp16"
-        self.update = DeviceUpdate(self.engine, self.cfg.optim.grad_clip, self.ds_config, direct)
-        self.precision = functools.partial(autocast_for, self.ds_config, self.engine.device)
-        flops_at = functools.lru_cache(maxsize=8)(lambda seq: self._flops(manifest, seq))
-        tracker: Tracker = NullTracker()
-        if ctx.rank == 0 and job.tracking_uri and job.run_id:
-            tracker = MlflowTracker(job.tracking_uri, job.run_id)
-        self.telemetry = Telemetry(self.cfg, ctx, tracker, flops_at(length), flops_at)
-        self.progress = connect_progress(job.progress, ctx.rank, self.cfg.max_steps)
-        self.step, self.cursor, self.tokens_seen = 0, Cursor(), 0
-        torch.manual_seed(_seed_for(job.seed, ctx.rank))  # dropout differs across ranks
 
     def _forward(self, batch: dict[str, torch.Tensor], sparse_mlm: bool) -> StepOutput:
         """The model's forward pass and loss on one micro-batch (what `compile` compiles)."""
@@ -280,7 +301,13 @@ class Worker:
     def run(self) -> dict[str, float]:
         """Resume if a checkpoint exists, then step, evaluate and save until done."""
         self.restore()
-        self._write_pid()
+        write_pid(self.ctx.run_dir, self.ctx.rank)
+        try:
+            return self._run()
+        finally:
+            self.batches.close()
+
+    def _run(self) -> dict[str, float]:
         last = self.job.stop_at_step or self.cfg.max_steps
         metrics: dict[str, float] = {}
         if self.step == 0:  # the starting point of the held-out curve
@@ -307,13 +334,12 @@ class Worker:
         Nothing here reads a tensor value on the host: the guard's skip flag, the gradient norm
         and the step's statistics stay on the device until `flush`.
         """
-        epoch, indices, after = self.order.next_batch(self.cursor)
-        length = self._seq_len()
-        micro = rank_micro_batches(indices, self.ctx.rank, self.ctx.world_size, self.micro)
+        plan = self.batches.take(self.step + 1, self.cursor)
+        length, micro = plan.length, plan.micro
         meter = StepMeter()
         lr = self.schedule.get_last_lr()[0]
-        for i, ids in enumerate(micro):
-            batch = self._device(self.build(self.train_data.take(ids), ids, epoch, length))
+        for i, host in enumerate(plan.batches):
+            batch = self._to_device(host)
             with self.precision():
                 out = self.loss(batch, self.cfg.sparse_mlm)
             self.guard.observe(out.loss)
@@ -325,7 +351,7 @@ class Worker:
             self.update.step(boundary)
             meter.add(out, batch)
         self.schedule.step()  # the next step's rates
-        self.cursor = after
+        self.cursor = plan.after
         self.step += 1
         self._fault("step")
         # Host values only: the step's samples (all ranks) and their token positions.
@@ -336,7 +362,7 @@ class Worker:
         if self.telemetry.record(self.step, meter, lr, grad_norm, skip, record, length):
             self.flush()
         if self.cfg.log_sample_ids:
-            self._log_sample_ids(np.concatenate(micro))
+            log_sample_ids(self.ctx, self.step, np.concatenate(micro))
 
     def flush(self) -> None:
         """Read the steps recorded since the last flush: log, replay the guard, show the loss."""
@@ -346,13 +372,26 @@ class Worker:
         row = self.telemetry.latest  # read just now: showing it costs no synchronisation
         self.progress.log(int(row["step"]), {k: row[k] for k in ("loss", "lr") if k in row})
 
-    def _seq_len(self) -> int:
-        """This step's sequence length: `train.length_schedule`'s, else the examples' own."""
+    def _seq_len(self, step: int) -> int:
+        """Step `step`'s sequence length: `train.length_schedule`'s, else the examples' own.
+
+        `step` counts the steps done before it (0 for the first), as the schedule does.
+        """
         schedule, full = self.cfg.length_schedule, self.train_data.width
         # Checked every step (a few comparisons), so a stage that cannot work fails at the
         # first step of any attempt, not when the schedule reaches it.
         check_length_schedule(schedule, self.objective, full)
-        return length_at(schedule, self.step, full)
+        return length_at(schedule, step, full)
+
+    def _plan(self, step: int, cursor: Cursor) -> StepPlan:
+        """Step `step`'s batches on the host, from `cursor` (what `Prefetcher` builds ahead)."""
+        epoch, indices, after = self.order.next_batch(cursor)
+        length = self._seq_len(step - 1)
+        micro = rank_micro_batches(indices, self.ctx.rank, self.ctx.world_size, self.micro)
+        batches = [
+            self._host(self.build(self.train_data.take(ids), ids, epoch, length)) for ids in micro
+        ]
+        return StepPlan(step, cursor, epoch, after, length, micro, batches)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics over the first `eval.max_samples` validation examples."""
@@ -433,30 +472,16 @@ class Worker:
             "teacher_dir": str(self.job.teacher_dir) if self.job.teacher_dir else None,
         }
 
-    def _write_pid(self) -> None:
-        # Operators (and the fault tests) find a rank's process here.
-        path = self.ctx.run_dir / "pids" / f"rank-{self.ctx.rank:05d}.pid"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{os.getpid()}\n")
+    def _host(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.engine.device.type == "cuda":  # pinned: the copy to the GPU runs asynchronously
+            return {k: v.pin_memory() for k, v in batch.items()}
+        return batch
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.engine.device, non_blocking=True) for k, v in batch.items()}
 
     def _device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        device = self.engine.device
-        if device.type == "cuda":  # pinned: the copy runs asynchronously, the host goes on
-            return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
-        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-    def _log_sample_ids(self, ids: np.ndarray) -> None:
-        # Appended per rank; a later attempt's line for a step replaces an earlier one.
-        path = self.ctx.run_dir / "samples" / f"rank-{self.ctx.rank:05d}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        line = {
-            "step": self.step,
-            "world": self.ctx.world_size,
-            "time": time.time(),
-            "ids": ids.tolist(),
-        }
-        with open(path, "a") as handle:
-            handle.write(json.dumps(line) + "\n")
+        return self._to_device(self._host(batch))
 
 
 EVAL_EPOCH = (1 << 62) + 7  # dynamic masking of the validation split: fixed, apart from training

@@ -43,7 +43,13 @@ from training.pretrain.loop import EVAL_EPOCH
 from training.pretrain.losses import export_loss
 from training.registry.model_ref import resolve_base_model
 from training.registry.registry import register_export
-from training.registry.tracking import MlflowTracker, TrackingConfig, open_run, set_run_status
+from training.registry.tracking import (
+    MlflowTracker,
+    NullTracker,
+    TrackingConfig,
+    output_ref,
+    tracked_run,
+)
 from training.runtime import checkpoint as ckpt
 from training.runtime.faults import FaultPlan
 from training.runtime.launcher import TrainingRun, run_id_for, run_training, storage_root
@@ -198,19 +204,18 @@ def pretrain_stage(
     if record.get("registered") and not stop_at_step:
         return dict(record["summary"]) | {"reused": True}
     log.info("pretraining run %s: %s", run_id, cfg.precision_choice())
-    mlflow_run = record.get("mlflow_run_id")
-    if uri is not None:
-        tags = {"stage": "pretrain", "train_run": run_id, "family": cfg.model.family}
-        mlflow_run = open_run(tracking, uri, workspace, f"{run_name}-pretrain", tags, mlflow_run)
+    tags = {"stage": "pretrain", "train_run": run_id, "family": cfg.model.family}
+    with tracked_run(
+        tracking,
+        workspace,
+        f"{run_name}-pretrain",
+        tags,
+        run_id=record.get("mlflow_run_id"),
+        system_metrics=True,
+    ) as tracker:
+        mlflow_run = tracker.run_id or record.get("mlflow_run_id")
         if not record:
-            MlflowTracker(uri, mlflow_run).log_params(
-                flatten({"train": cfg.model_dump(mode="json")})
-                | {
-                    "resolved_precision": cfg.precision,
-                    "requested_precision": cfg.requested_precision,
-                }
-            )
-    try:
+            _log_start(tracker, cfg, examples_dir, tokenizer_dir)
         run = run_training(
             cfg,
             seed,
@@ -229,17 +234,29 @@ def pretrain_stage(
         summary = _summary(run) | {"mlflow_run_id": mlflow_run}
         if run.finished:
             summary |= _publish(run, cfg, uri, mlflow_run, run_name, examples_dir, tokenizer_dir)
-    except BaseException:
-        if uri is not None and mlflow_run is not None:
-            set_run_status(uri, mlflow_run, "FAILED")
-        raise
-    if uri is not None and mlflow_run is not None:
-        set_run_status(uri, mlflow_run, "FINISHED" if run.finished else "KILLED")
+        else:
+            tracker.end_status = "KILLED"  # stopped early: resumed later into the same run
     registered = "model_version" in summary
     write_json_atomic(
         record_file, {"mlflow_run_id": mlflow_run, "registered": registered, "summary": summary}
     )
     return summary | {"reused": False}
+
+
+def _log_start(
+    tracker: MlflowTracker | NullTracker, cfg: TrainConfig, examples_dir: Path, tokenizer_dir: Path
+) -> None:
+    """Log a new run's params and its inputs: the examples and the tokenizer it trains on."""
+    tracker.log_params(
+        flatten({"train": cfg.model_dump(mode="json")})
+        | {"resolved_precision": cfg.precision, "requested_precision": cfg.requested_precision}
+    )
+    tracker.log_inputs(
+        [
+            output_ref("examples", examples_dir, "training"),
+            output_ref("tokenizer", tokenizer_dir, "training"),
+        ]
+    )
 
 
 def _summary(run: TrainingRun) -> dict[str, Any]:

@@ -1,16 +1,23 @@
-"""Where a training worker runs: inside Ray Train, or as a plain process (one GPU benchmark).
+"""Where a training worker runs: inside Ray Train, or in the driver's own process.
 
 The loop talks to a `WorkerContext` only: its rank, the run directory, the checkpoint to resume
 from, and `report`. `RayWorkerContext` is the one place that calls `ray.train.report` and
-`ray.train.get_checkpoint`; `LocalContext` lets the same loop run without Ray.
+`ray.train.get_checkpoint`; `LocalContext` lets the same loop run without Ray (the in-process
+launcher, `train.scale.launcher`, and the GPU benchmark's plain process), on the one-rank world
+`in_process_rank` makes.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
+
+from tasks.common.ray_runtime import scoped_environ
 
 #: NCCL moves CUDA tensors only. The loops' small reductions of Python numbers (step and
 #: evaluation sums, fine-tuning statistics) are CPU tensors, so a GPU group carries gloo too.
@@ -35,6 +42,18 @@ class WorkerContext(Protocol):
 
     def reported_checkpoint(self) -> Path | None: ...  # noqa: D102
     def report(self, metrics: dict[str, Any], checkpoint: Path | None) -> None: ...  # noqa: D102
+
+
+@dataclass(frozen=True)
+class LoopEntry:
+    """A training loop as each launcher calls it.
+
+    Ray Train calls `on_ray(config)` on every worker (it takes one argument and makes its own
+    `RayWorkerContext`); the in-process launcher calls `in_process(config, LocalContext)`.
+    """
+
+    on_ray: Callable[[dict[str, Any]], None]
+    in_process: Callable[[dict[str, Any], WorkerContext], object]
 
 
 class RayWorkerContext:
@@ -96,23 +115,62 @@ class LocalContext:
 def init_single_process() -> None:
     """Initialise a one-rank process group for a loop run without Ray (`torch_backend`)."""
     import os
-    import socket
+
+    import torch
 
     if dist.is_initialized():
         return
+    for key, value in _single_rank_env().items():
+        os.environ.setdefault(key, value)
+    if torch.cuda.is_available():  # as Ray Train does for its GPU workers
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(torch_backend(None, torch.cuda.is_available()))
+
+
+@contextlib.contextmanager
+def in_process_rank(backend: str | None, use_gpu: bool) -> Iterator[None]:
+    """Make this process rank 0 of a one-rank world while the block runs a training loop.
+
+    The process group stays for the process's life once made: DeepSpeed keeps a clone of the
+    world group (`deepspeed.utils.groups`) that a destroyed group would leave stale, and a
+    second loop in this process then uses the same group. One made for another device kind
+    is refused rather than replaced. The rank's environment (`RANK`, `MASTER_PORT`, ...) is
+    set for the block and restored after it.
+
+    Raises:
+        RuntimeError: this process already belongs to a larger world, or to one whose
+            backend does not match `backend` / `use_gpu`.
+    """
+    import torch
+
+    wanted = torch_backend(backend, use_gpu)
+    needed = "nccl" if use_gpu else "gloo"  # what carries the loop's tensors
+    if dist.is_initialized() and (
+        dist.get_world_size() != 1 or needed not in str(dist.get_backend())
+    ):
+        raise RuntimeError(
+            f"this process is already rank {dist.get_rank()} of a world of "
+            f"{dist.get_world_size()} over {dist.get_backend()}; a loop in it needs one rank "
+            f"over {wanted}: set scale.launcher to ray"
+        )
+    with scoped_environ(_single_rank_env()):
+        if use_gpu:
+            torch.cuda.set_device(0)
+        if not dist.is_initialized():
+            dist.init_process_group(wanted, rank=0, world_size=1)
+        yield
+
+
+def _single_rank_env() -> dict[str, str]:
+    import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    for key, value in {
+    return {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "RANK": "0",
         "LOCAL_RANK": "0",
         "WORLD_SIZE": "1",
-    }.items():
-        os.environ.setdefault(key, value)
-    import torch
-
-    if torch.cuda.is_available():  # as Ray Train does for its GPU workers
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(torch_backend(None, torch.cuda.is_available()))
+    }

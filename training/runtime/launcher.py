@@ -1,4 +1,7 @@
-"""The pretraining driver: one Ray Train `TorchTrainer` run per (inputs, train config), in MLflow.
+"""The pretraining driver: one training run per (inputs, train config), in MLflow, and `fit`.
+
+`fit` runs a loop (pretraining's or fine-tuning's `LoopEntry`) on Ray Train workers, or as the
+one worker in this process when `train.scale.launcher` says so (`resolve_launcher`).
 
 A run lives in `<storage>/<run id>/` where the run id is a hash of the example and tokenizer
 outputs, the train config and the seed: the same inputs find the same run, which is reused when
@@ -14,17 +17,17 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tasks.common.io import fingerprint, sha256_file, source_hash
 from tasks.common.ray_runtime import RayConfig, ensure_ray
 from training.pretrain.config import ScaleConfig, TrainConfig
 from training.pretrain.data import read_manifest
-from training.pretrain.loop import WorkerJob, train_loop_per_worker
+from training.pretrain.loop import PRETRAIN_LOOP, WorkerJob
 from training.runtime import checkpoint as ckpt
-from training.runtime.context import torch_backend
+from training.runtime.context import LocalContext, LoopEntry, in_process_rank, torch_backend
 from training.runtime.faults import FaultPlan
-from training.runtime.progress import ProgressSpec, driver_progress
+from training.runtime.progress import ProgressSpec, driver_progress, in_process_progress
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +66,12 @@ def run_id_for(
     if teacher_dir is not None:
         weights = sorted(teacher_dir.glob("*.safetensors"))
         inputs["teacher"] = {shard.name: sha256_file(shard) for shard in weights}
-    # Where checkpoints go, how often we log and how many workers share the global batch do not
-    # change what is trained: a run resumes at another worker count (docs/pretraining.md).
-    train = cfg.model_dump(mode="json", exclude={"checkpoint", "log_every_steps", "eval", "scale"})
+    # Where checkpoints go, how often we log, how many workers share the global batch and when
+    # the batches are built do not change what is trained: a run resumes at another worker
+    # count (docs/pretraining.md).
+    train = cfg.model_dump(
+        mode="json", exclude={"checkpoint", "log_every_steps", "eval", "scale", "prefetch"}
+    )
     code = source_hash("tasks", "training")
     return fingerprint({"inputs": inputs, "train": train, "seed": seed, "code": code})
 
@@ -138,8 +144,13 @@ def run_training(
 def _fit(
     job: WorkerJob, root: Path, run_id: str, ray_cfg: RayConfig, progress: ProgressSpec | None
 ) -> None:
+    if job.fault is not None and resolve_launcher(job.train.scale, ray_cfg) == "in_process":
+        raise ValueError(
+            "a planned worker fault needs Ray Train workers (the in-process launcher would kill "
+            "this process): set train.scale.launcher to ray"
+        )
     config = job.model_dump(mode="json")
-    fit_on_ray(train_loop_per_worker, config, job.train.scale, root / run_id, ray_cfg, progress)
+    fit(PRETRAIN_LOOP, config, job.train.scale, root / run_id, ray_cfg, progress)
 
 
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
@@ -154,6 +165,70 @@ def set_report_poll(scale: ScaleConfig) -> None:
     fine-tuning epoch or a frequent checkpoint waits longer than it computes.
     """
     os.environ[POLL_ENV] = f"{scale.report_poll_s:g}"
+
+
+def resolve_launcher(scale: ScaleConfig, ray_cfg: RayConfig) -> Literal["ray", "in_process"]:
+    """Where `scale`'s workers run: `scale.launcher`, with `auto` resolved.
+
+    `auto` runs in this process when that loses nothing: one worker, no restarts asked for
+    (`max_failures` 0) and no Ray cluster to run on (`ray.address`, `RAY_ADDRESS`). Starting
+    Ray Train costs a one-worker run 15-30 s on a small machine (docs/pretraining.md).
+    """
+    if scale.launcher != "auto":
+        return scale.launcher
+    cluster = ray_cfg.address is not None or bool(os.environ.get("RAY_ADDRESS"))
+    if scale.num_workers == 1 and scale.max_failures == 0 and not cluster:
+        return "in_process"
+    return "ray"
+
+
+def fit(
+    entry: LoopEntry,
+    loop_config: dict[str, Any],
+    scale: ScaleConfig,
+    run_dir: Path,
+    ray_cfg: RayConfig,
+    progress: ProgressSpec | None = None,
+) -> None:
+    """Run a training loop on the launcher `resolve_launcher` picks; `run_dir` is its run's.
+
+    Raises:
+        RuntimeError: training failed (on Ray, after `scale.max_failures` restarts).
+    """
+    if resolve_launcher(scale, ray_cfg) == "in_process":
+        fit_in_process(entry, loop_config, scale, run_dir, progress)
+    else:
+        fit_on_ray(entry.on_ray, loop_config, scale, run_dir, ray_cfg, progress)
+
+
+def fit_in_process(
+    entry: LoopEntry,
+    loop_config: dict[str, Any],
+    scale: ScaleConfig,
+    run_dir: Path,
+    progress: ProgressSpec | None = None,
+) -> None:
+    """Run `entry`'s loop as the one worker, in this process, without Ray Train.
+
+    The loop sees the same job as on Ray, a `LocalContext` on `run_dir` (it resumes from the
+    newest valid checkpoint there) and the one-rank world of `in_process_rank`. torch's thread
+    count, which the loop sets to `scale.threads_per_worker`, is restored afterwards.
+
+    Raises:
+        RuntimeError: the loop raised (its exception is the cause).
+    """
+    import torch
+
+    log.info("%s: one worker in this process (no Ray Train start)", run_dir.name)
+    threads = torch.get_num_threads()
+    with in_process_progress(progress) as address, in_process_rank(scale.backend, scale.use_gpu):
+        config = loop_config if address is None else loop_config | {"progress": address}
+        try:
+            entry.in_process(config, LocalContext(run_dir))
+        except Exception as exc:
+            raise RuntimeError(f"training failed in this process ({run_dir}): {exc}") from exc
+        finally:
+            torch.set_num_threads(threads)
 
 
 def fit_on_ray(

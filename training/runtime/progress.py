@@ -13,7 +13,9 @@ Driver side: `driver_progress` creates the sink, drains it from a thread while `
 feeds a `ProgressView` (tasks/common/progress.py): a rich progress line when stderr is a
 terminal (each log interval's metrics printed above it), else one log line per log interval;
 inside a Prefect flow or task run it also keeps a Prefect progress artifact up to date.
-`local_progress` feeds a view from work that runs in the driver itself (evaluation).
+`local_progress` feeds a view from work that runs in the driver itself (evaluation), and
+`in_process_progress` gives a training loop that the driver runs itself (`train.scale.launcher`
+in_process) an address that `connect_progress` resolves to the view, with no actor or thread.
 
 Ray, rich and Prefect are imported where they are used: the worker side runs without them.
 """
@@ -40,6 +42,9 @@ log = logging.getLogger(__name__)
 
 #: The Ray namespace of the sinks: workers find theirs by name, whatever their job's namespace.
 NAMESPACE = "lmpipe-progress"
+#: The prefix of an address that names a view in this process (`in_process_progress`).
+IN_PROCESS = "in-process"
+_IN_PROCESS_VIEWS: dict[str, ProgressView] = {}
 
 
 class Progress(Protocol):
@@ -145,6 +150,11 @@ def connect_progress(address: str | None, rank: int, total: int) -> Progress:
     `address` is what `driver_progress` yielded; None (no driver display, a plain process)
     gives `NullProgress` without importing Ray, and a process without Ray never starts one.
     """
+    if address is not None and address.startswith(f"{IN_PROCESS}/"):
+        view = _IN_PROCESS_VIEWS.get(address)
+        if view is None or rank != 0:
+            return NullProgress()
+        return ProgressSender(view.update, _delivered, total)
     ray = sys.modules.get("ray")  # not imported: certainly not connected
     if address is None or rank != 0 or ray is None or not ray.is_initialized():
         return NullProgress()
@@ -318,6 +328,29 @@ def driver_progress(spec: ProgressSpec | None) -> Iterator[str | None]:
             ray.kill(sink)
 
 
+def _delivered(_handles: list[Any], _timeout_s: float) -> list[Any]:
+    return []  # a view in this process has taken its records when `update` returns
+
+
+@contextlib.contextmanager
+def in_process_progress(spec: ProgressSpec | None) -> Iterator[str | None]:
+    """`driver_progress` for a loop this process runs itself: yield the loop's address.
+
+    `connect_progress` resolves the address to this process's view, so rank 0's records reach
+    it by a plain call (still coalesced, never a device read). With `spec` None: None.
+    """
+    if spec is None:
+        yield None
+        return
+    address = f"{IN_PROCESS}/{uuid.uuid4().hex}"
+    _IN_PROCESS_VIEWS[address] = view = open_view(spec)
+    try:
+        yield address
+    finally:
+        del _IN_PROCESS_VIEWS[address]
+        view.close()
+
+
 @contextlib.contextmanager
 def local_progress(spec: ProgressSpec | None, total: int) -> Iterator[Progress]:
     """A `Progress` shown by this process, for work that runs in the driver (evaluation)."""
@@ -325,7 +358,7 @@ def local_progress(spec: ProgressSpec | None, total: int) -> Iterator[Progress]:
         yield NullProgress()
         return
     view = open_view(spec)
-    sender = ProgressSender(view.update, lambda _handles, _timeout_s: [], total, min_interval_s=0)
+    sender = ProgressSender(view.update, _delivered, total, min_interval_s=0)
     try:
         yield sender
     finally:

@@ -19,7 +19,11 @@ def recipe(tmp_path: Path, mlflow_uri: str, shared_data: Path, base: Path, **sec
     config = {
         "name": "ft",
         "workspace": str(tmp_path / "ws"),
-        "tracking": {"tracking_uri": mlflow_uri, "experiment": f"flows-{tmp_path.name}"},
+        "tracking": {
+            "tracking_uri": mlflow_uri,
+            "experiment": f"flows-{tmp_path.name}",
+            "system_metrics_interval_s": 0.5,  # a sample even from a run of a few seconds
+        },
         "ray": {"num_workers": 2, "num_cpus": 4},
         "task": {"config": str(REPO / "configs/tasks/cola.yaml"), "base_dir": str(shared_data)},
         "finetune": {
@@ -61,10 +65,27 @@ def test_finetune_flow_on_cola_registers_the_model_with_a_report(
     result = stages["finetune"]
     assert "mcc" in result["test"]
     assert result["model_name"] == "ft-cola"
-    version = MlflowClient(mlflow_uri).get_model_version("ft-cola", result["model_version"])
+    client = MlflowClient(mlflow_uri)
+    version = client.get_model_version("ft-cola", result["model_version"])
     assert version.tags["base_model_path"] == str(tiny_base_models["bert"].resolve())
     report = Path(result["run_dir"]) / "report" / "report.md"
     assert "Test metrics" in report.read_text()
+    # Lineage in MLflow: the model version's run read the task data and the base model, and
+    # the task data's run read the CoLA source files.
+    run = client.get_run(version.run_id)
+    inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
+    assert set(inputs) == {"downstream", "base_model"}
+    task = stages["downstream"]
+    assert inputs["downstream"].dataset.digest == task["fingerprint"]
+    assert json.loads(inputs["downstream"].dataset.source) == {"uri": task["path"]}
+    assert len(inputs["base_model"].dataset.digest) == 16
+    assert {t.value for t in inputs["downstream"].tags} == {"training"}
+    assert "system/cpu_utilization_percentage" in run.data.metrics
+    sources = client.get_run(task["mlflow_run_id"]).inputs.dataset_inputs
+    assert {json.loads(i.dataset.source)["uri"] for i in sources} == {
+        str(shared_data / path) for path in task["inputs"]
+    }
+    assert all(len(i.dataset.digest) == 36 for i in sources)  # sha256, cut to MLflow's limit
 
 
 def test_compare_flow_reports_mean_and_spread_over_seeds_in_one_experiment(
@@ -100,6 +121,9 @@ def test_compare_flow_reports_mean_and_spread_over_seeds_in_one_experiment(
     experiment = client.get_experiment_by_name("compare-test")
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 5  # 2 strategies x 2 seeds, plus the summary run
+    (summary_run,) = [r for r in runs if r.data.tags.get("stage") == "compare"]
+    (task_input,) = client.get_run(summary_run.info.run_id).inputs.dataset_inputs
+    assert task_input.dataset.digest == out["downstream"]["fingerprint"]
     table = (Path(out["compare"]["report_dir"]) / "comparison.md").read_text()
     assert "feature_extraction" in table
     assert "lora" in table

@@ -17,6 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 RECIPE = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
 STAGES = ("ingest", "tokenizer", "encode", "examples", "pretrain", "downstream", "finetune")
 OUTPUT_DIRS = (*STAGES, "evaluate")
+# The Prefect tasks cached on their output's fingerprint (training and evaluation are not).
+CACHED_TASKS = ("ingest", "tokenizer", "encode", "examples", "prepare-downstream")
 
 
 def mtimes(workspace: Path, dirs: tuple[str, ...] = OUTPUT_DIRS) -> dict[str, int]:
@@ -27,6 +29,18 @@ def mtimes(workspace: Path, dirs: tuple[str, ...] = OUTPUT_DIRS) -> dict[str, in
         for path in (workspace / name).rglob("*")
         if path.is_file()
     }
+
+
+def task_states(flow_run_id: Any) -> dict[str, str]:
+    """The state name of each task run of a flow run, by task name, read from the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs if run.state}
 
 
 def nested_runs(client: MlflowClient, parent: str) -> dict[str, Any]:
@@ -82,9 +96,14 @@ def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed
     built = mtimes(workspace)
     assert len(built) > 30
 
-    # Nothing changed: every stage is a cache hit and no output file is touched.
-    second = pipeline_flow(cfg)
+    # Nothing changed: every stage is a cache hit and no output file is touched; the data
+    # stages are Prefect cache hits too, `Cached` in the API (and the UI).
+    rerun = pipeline_flow(cfg, return_state=True)
+    second = rerun.result()
     assert {name: s["reused"] for name, s in second.items()} == dict.fromkeys(first, True)
+    states = task_states(rerun.state_details.flow_run_id)
+    cached = {name: states.get(name) for name in CACHED_TASKS}
+    assert cached == dict.fromkeys(CACHED_TASKS, "Cached")
     assert mtimes(workspace) == built
     assert second["pretrain"]["model_version"] == first["pretrain"]["model_version"]
     parent = parent_run(client, second)

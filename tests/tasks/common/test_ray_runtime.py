@@ -6,6 +6,8 @@ from tasks.common.ray_runtime import (
     RayConfig,
     check_storage,
     is_remote_uri,
+    keep_sigterm_handler,
+    run_units,
     scoped_environ,
     storage_problem,
 )
@@ -102,3 +104,53 @@ def test_environment_block_restores_set_and_absent_variables(
         assert os.environ["LMPIPE_TEST_ABSENT"] == "during"
     assert os.environ["LMPIPE_TEST_SET"] == "before"
     assert "LMPIPE_TEST_ABSENT" not in os.environ
+
+
+def _ours(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _rays(signum: int, frame: object) -> None:
+    raise SystemExit(signum)
+
+
+@pytest.mark.parametrize(("before", "after"), [(_ours, _ours), ("default", _rays)])
+def test_a_python_sigterm_handler_replaced_by_ray_init_is_put_back(
+    before: object, after: object
+) -> None:
+    """What `ray.init` does to SIGTERM (it installs its own), undone only for a Python handler."""
+    import signal
+
+    saved = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before == "default" else before)  # type: ignore[arg-type]
+        with keep_sigterm_handler():
+            signal.signal(signal.SIGTERM, _rays)  # as ray.init starting a local node does
+        assert signal.getsignal(signal.SIGTERM) is after
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def test_one_work_unit_runs_here_without_starting_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    def no_ray(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("ray.init was called")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh CLI process
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    done: list[tuple[int, int]] = []
+    local = RayConfig(num_workers=2)
+    assert run_units(_square, [7], local, on_done=lambda i, r: done.append((i, r))) == [49]
+    assert done == [(0, 49)]
+    assert run_units(_square, [], local) == []
+    with pytest.raises(AssertionError, match=r"ray.init was called"):
+        run_units(_square, [1, 2], local)  # two units: worth Ray's workers
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    with pytest.raises(AssertionError, match=r"ray.init was called"):
+        run_units(_square, [1], local)  # a cluster is configured: the work goes there

@@ -20,7 +20,7 @@ from tasks.downstream.config import load_dataset_config
 from tasks.downstream.stage import prepare_downstream
 from training.finetune.config import FinetuneConfig
 from training.finetune.loop import FinetuneJob, run_finetune_worker
-from training.finetune.stage import finetune_stage, run_finetune
+from training.finetune.stage import finetune_stage, model_fingerprint, run_finetune
 from training.registry.tracking import TrackingConfig
 from training.runtime.context import LocalContext
 
@@ -208,10 +208,20 @@ def test_finetune_stage_logs_to_mlflow_and_registers_with_lineage(
     assert {"report/report.md", "report/report.html", "report/curves.png"} <= artifacts
     assert "report/confusion_matrix.png" in artifacts
     version = resolve_version(mlflow_uri, "cola-tiny", "candidate")
-    tags = client.get_model_version("cola-tiny", version.version).tags
+    registered = client.get_model_version("cola-tiny", version.version)
+    tags = registered.tags
     assert tags["base_model_name"] == "tiny-bert"
     assert tags["base_model_version"] == "7"
     assert tags["task_type"] == "classification"
+    # The registered version's run names what it read, with digests, as MLflow dataset inputs.
+    read = client.get_run(registered.run_id).inputs.dataset_inputs
+    inputs = {i.dataset.name: i.dataset for i in read}
+    assert (
+        inputs["downstream"].digest
+        == json.loads((data / "manifest.json").read_text())["fingerprint"]
+    )
+    assert json.loads(inputs["base_model"].source) == {"uri": str(tiny_base_models["bert"])}
+    assert inputs["base_model"].digest == model_fingerprint(tiny_base_models["bert"])
 
 
 def test_features_longer_than_the_models_positions_are_refused_by_key(
