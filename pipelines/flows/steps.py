@@ -34,9 +34,6 @@ from tasks.encode.stage import encode_task
 from tasks.examples.stage import examples_task
 from tasks.ingest.stage import ingest_task
 from tasks.tokenizer.stage import tokenizer_task
-from training.evaluate.stage import evaluate_task
-from training.finetune.stage import finetune_task, resolve_base_model_task
-from training.pretrain.stage import pretrain_task
 
 Stages = dict[str, dict[str, Any]]
 P = ParamSpec("P")
@@ -116,6 +113,8 @@ def examples_step(cfg: RunConfig, stages: Stages) -> Stages:
 
 def pretrain_step(cfg: RunConfig, stages: Stages, resume: bool = False) -> Stages:
     """Pretrain, export to Hugging Face format and register the model (reused when done)."""
+    from training.pretrain.stage import pretrain_task  # torch: only where it trains
+
     examples, tokenizer = stages["examples"]["path"], stages["tokenizer"]["path"]
     result = pretrain_task(
         cfg.train,
@@ -161,6 +160,8 @@ def base_model(cfg: RunConfig, stages: Stages) -> tuple[str, dict[str, str]]:
     `finetune.base` when set (a local directory or a registry version), else the model the
     `pretrain` stage in `stages` exported.
     """
+    from training.finetune.stage import resolve_base_model_task
+
     if cfg.finetune.base is not None:
         path, lineage = resolve_base_model_task(cfg.finetune.base, cfg.tracking, str(cfg.workspace))
         return path, lineage
@@ -177,6 +178,8 @@ def base_model(cfg: RunConfig, stages: Stages) -> tuple[str, dict[str, str]]:
 
 def finetune_step(cfg: RunConfig, stages: Stages) -> Stages:
     """Fine-tune the base model on the prepared task; export and register it with lineage."""
+    from training.finetune.stage import finetune_task
+
     model_dir, lineage = base_model(cfg, stages)
     result = finetune_task(
         cfg.finetune,
@@ -194,6 +197,8 @@ def finetune_step(cfg: RunConfig, stages: Stages) -> Stages:
 
 def evaluate_step(cfg: RunConfig, stages: Stages) -> Stages:
     """Evaluate the base model (and report the fine-tuned one when the pipeline made it)."""
+    from training.evaluate.stage import evaluate_task
+
     model_dir, _ = base_model(cfg, stages)
     examples = None
     if "examples" in stages and cfg.finetune.base is None:
