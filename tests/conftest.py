@@ -6,7 +6,6 @@ and Prefect reads its settings at import, so they are set before anything import
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import socket
@@ -266,20 +265,23 @@ def demo_data(ray_session: str, tmp_path_factory: pytest.TempPathFactory) -> Dem
 def single_process_dist() -> Iterator[None]:
     """World size 1 over gloo for DeepSpeed (in-process engines); its shm comm op is not built.
 
-    Building that op JIT-compiles C++ (about 25 s on a fresh machine) and one rank never uses
-    it. DeepSpeed caches a clone of the world group, stale once a group is destroyed, so the
-    cache is cleared around the group this fixture owns.
+    Building that op JIT-compiles C++ (a minute on a fresh machine) and training never uses
+    it (`training.runtime.engine.skip_cpu_shm_op`). DeepSpeed caches a clone of the world
+    group, stale once a group is destroyed, so the cache is cleared around the group this
+    fixture owns.
     """
     import deepspeed
     import torch
     from deepspeed.utils import groups
+
+    from training.runtime.engine import skip_cpu_shm_op
 
     with pytest.MonkeyPatch.context() as mp, socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(sock.getsockname()[1])}
         for key, value in {**env, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
             mp.setenv(key, value)
-        mp.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
+        skip_cpu_shm_op()  # as the loops do before DeepSpeed's first initialize
         owned = not torch.distributed.is_initialized()
         sock.close()
         if owned:

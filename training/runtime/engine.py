@@ -8,6 +8,7 @@ is written once. This is the only module that calls `deepspeed.initialize`.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -43,12 +44,36 @@ def initialize_deepspeed(
     """
     import deepspeed
 
+    skip_cpu_shm_op()
     if zero3_leaves:
         from deepspeed.utils import set_z3_leaf_modules
 
         set_z3_leaf_modules(model, zero3_leaves)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     return engine
+
+
+def skip_cpu_shm_op() -> None:
+    """On DeepSpeed's CPU accelerator, create its communication backend without the shm op.
+
+    That op (`deepspeed_shm_comm`) serves only `inference_all_reduce`, which no training
+    step calls, yet the backend JIT-compiles it the first time each environment starts
+    DeepSpeed: 60-80 s of C++ on a 2-core machine, paid by the first training run of every
+    fresh install and by each worker that finds the build cache from another environment.
+    Without it the backend's all-reduce is the process group's own (gloo), as training uses.
+    Must run before the first `deepspeed.initialize` of the process, which creates the backend.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        # By name: the attribute `deepspeed.comm.torch` is the torch package itself.
+        backend = importlib.import_module("deepspeed.comm.torch")
+        backend.build_shm_op = _no_shm_op
+
+
+def _no_shm_op() -> None:
+    """`deepspeed.comm.torch.build_shm_op` for training: no op (the backend then uses gloo)."""
+    return None
 
 
 @contextlib.contextmanager
