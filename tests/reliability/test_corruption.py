@@ -66,17 +66,25 @@ def note(target: str, damage: str, file: str, outcome: str) -> None:
 MAX_STEPS, EVERY = 9, 3
 
 
-def train(data: dict[str, Path], storage: Path, **kw: Any) -> TrainingRun:
-    cfg = tiny_bert_config(storage, max_steps=MAX_STEPS, every=EVERY, keep_last=3, max_failures=0)
+def train(data: dict[str, Path], storage: Path, workers: int, **kw: Any) -> TrainingRun:
+    """The tiny run on `workers` workers: 1 trains in this process, more on Ray Train."""
+    scale = {"num_workers": workers, "max_failures": 0}
+    cfg = tiny_bert_config(
+        storage, max_steps=MAX_STEPS, every=EVERY, keep_last=3, max_failures=0, scale=scale
+    )
     return runs.train(cfg, data, **kw)
 
 
 @pytest.fixture(scope="module")
 def stopped(demo_data: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A run stopped at step 6: committed checkpoints at steps 3 and 6."""
+    """A run stopped at step 6: committed checkpoints at steps 3 and 6.
+
+    One worker, in this process: the damaged files are DeepSpeed's own either way, and Ray
+    Train's start (most of a 2-worker run of 6 tiny steps) buys these checks nothing.
+    """
     data = demo_data.examples("bert")
     storage = tmp_path_factory.mktemp("corrupt-ckpt") / "run"
-    run = train(data, storage, stop_at_step=2 * EVERY)
+    run = train(data, storage, workers=1, stop_at_step=2 * EVERY)
     assert [s for s, _ in ckpt.checkpoint_dirs(run.run_dir)] == [2 * EVERY, EVERY]
     return {"data": data, "storage": storage, "run": run}
 
@@ -181,7 +189,8 @@ def test_a_damaged_data_shard_is_refused_by_the_stage_that_reads_it(
 def test_resume_over_a_damaged_newest_checkpoint_finishes_from_the_previous_one(
     stopped: dict[str, Any],
 ) -> None:
-    """End to end: DeepSpeed on Ray resumes a run whose newest checkpoint has a flipped byte.
+    """End to end: DeepSpeed on 2 Ray workers resumes a run (stopped on one in-process worker)
+    whose newest checkpoint has a flipped byte.
 
     It damages the module's stopped run itself (Ray's run state records absolute paths, so a
     copy would resume from the original), so it comes last in the module.
@@ -190,7 +199,7 @@ def test_resume_over_a_damaged_newest_checkpoint_finishes_from_the_previous_one(
     run_dir = stopped["run"].run_dir
     newest = run_dir / ckpt.checkpoint_name(2 * EVERY)
     flip(checkpoint_files(newest)["optim_shard"])
-    resumed = train(stopped["data"], storage, resume=True)
+    resumed = train(stopped["data"], storage, workers=2, resume=True)
     assert resumed.finished
     assert resumed.meta["step"] == MAX_STEPS
     rows = [json.loads(x) for x in (run_dir / "resumes.jsonl").read_text().splitlines()]
