@@ -26,6 +26,7 @@ from pipelines.cli.failures import ExitCode, Terminated, report_failure, sigterm
 from pipelines.cli.keys import UnknownSectionError, describe, format_keys
 from pipelines.cli.parser import build_parser, join_nested
 from pipelines.config import RunConfig, load_config
+from pipelines.ops.runtime import patient_temporary_api
 
 console = Console(stderr=False)
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     debug = bool(getattr(args, "debug", False))
     guard = sigterm_raises() if args.command in STAGE_COMMANDS else contextlib.nullcontext()
+    patient_temporary_api()
     try:
         with guard:
             return int(_dispatch(args))

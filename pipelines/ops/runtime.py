@@ -17,6 +17,22 @@ from training.registry.tracking import local_tracking_uri
 log = logging.getLogger(__name__)
 
 
+# Seconds a command waits for the temporary Prefect API to answer (no `prefect.api_url`).
+TEMPORARY_API_STARTUP_S = 120
+
+
+def patient_temporary_api() -> None:
+    """Give the temporary Prefect API `TEMPORARY_API_STARTUP_S` to start, unless set already.
+
+    It starts in about 14 s on a quiet 2-core machine and took over 20 s, Prefect's default
+    wait, while other jobs kept the cores busy: the command then failed before any stage ran.
+    Must run before Prefect is imported (its settings are read once, at import).
+    """
+    os.environ.setdefault(
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(TEMPORARY_API_STARTUP_S)
+    )
+
+
 def resolve_environment(cfg: RunConfig) -> RunConfig:
     """Fill unset service addresses from the environment and export what clients read.
 
