@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import transformers as tf
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from tasks.common import schema
 from training.models.attention import uses_document_flex
@@ -84,16 +85,36 @@ def _causal_forward(
 ) -> tuple[Tensor, Tensor | None]:
     """`causal_logits`, plus the router's load-balancing loss of a mixture of experts."""
     require(batch, schema.INPUT_IDS)
+    inputs = {
+        "input_ids": batch[schema.INPUT_IDS],
+        "attention_mask": _attention_mask(model, batch),
+        "position_ids": batch.get(POSITION_IDS),
+        "use_cache": False,  # training: no KV cache (and none under activation checkpointing)
+    }
+    if router_loss and DOCUMENT_IDS in batch:
+        return _experts_on_documents(model, inputs)
     extra = {"output_router_logits": True} if router_loss else {}
-    out = model(
-        input_ids=batch[schema.INPUT_IDS],
-        attention_mask=_attention_mask(model, batch),
-        position_ids=batch.get(POSITION_IDS),
-        use_cache=False,  # training: no KV cache (and none under activation checkpointing)
-        **extra,
-    )
+    out = model(**inputs, **extra)
     logits = mask_padded_vocab(out.logits, model.config)
     return logits, getattr(out, "aux_loss", None) if router_loss else None
+
+
+def _experts_on_documents(
+    model: tf.PreTrainedModel, inputs: Mapping[str, object]
+) -> tuple[Tensor, Tensor]:
+    """Mixtral's logits and load-balancing loss on a document-masked block.
+
+    `MixtralForCausalLM` weighs its balance loss by `attention_mask` read as a (B, T) padding
+    mask, which a document mask (4-D, or a block mask) is not: it fails on one. A packed block
+    has no padding, so the base model runs here and the loss counts every token, as the
+    model's own does without a mask.
+    """
+    out = model.model(**inputs, output_router_logits=True)
+    logits = mask_padded_vocab(model.lm_head(out.last_hidden_state), model.config)  # (B, T, V)
+    experts, top_k = model.config.num_local_experts, model.config.num_experts_per_tok
+    aux = load_balancing_loss_func(out.router_logits, experts, top_k, None)
+    assert isinstance(aux, Tensor)  # an int only when there are no router logits
+    return logits, aux
 
 
 def causal_loss(model: tf.PreTrainedModel, batch: Mapping[str, Tensor]) -> StepOutput:

@@ -25,6 +25,9 @@ from training.pretrain.loss_common import POSITION_IDS
 from training.pretrain.losses import pretraining_loss
 from training.pretrain.packing import document_ids, document_positions
 
+# On a CPU FlexAttention runs uncompiled on purpose (see the module docstring).
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
 VOCAB, PAD, L = 64, 0, 24
 SPECIALS: dict[str, int | None] = {"pad": PAD, "eos": 3, "vocab_size": VOCAB}
 # Block 0: documents at 0, 6 and 15, padding (a run of pad ids) from 20; block 1: at 0 and 10.
@@ -63,12 +66,15 @@ def random_ids(length: int = L) -> torch.Tensor:
 
 @pytest.mark.slow  # FlexAttention's first eager call per shape traces it (about a second)
 @pytest.mark.parametrize("family", list(SHAPES))
-def test_flex_attention_gives_the_dense_document_masks_logits(family: Family) -> None:
+def test_flex_attention_gives_the_dense_document_masks_logits_and_loss(family: Family) -> None:
     batch = packed(random_ids())
     dense, flex = tiny(family, "dense"), tiny(family, "flex")
     with torch.no_grad():
         want = causal_logits(dense, batch)  # (B, L, V)
         torch.testing.assert_close(causal_logits(flex, batch), want, rtol=1e-5, atol=1e-5)
+        loss, flex_loss = (pretraining_loss(m, "causal", batch) for m in (dense, flex))
+    assert set(loss.parts) == ({"lm_loss", "aux_loss"} if family == "mixtral" else {"lm_loss"})
+    torch.testing.assert_close(flex_loss.parts, loss.parts)
 
 
 @pytest.mark.slow
