@@ -30,7 +30,10 @@ stack (docs/benchmarks.md, "GPU"):
   - `nanogpt-*`: the outside reference, a minimal nanoGPT-style GPT-2 (fused QKV,
     `scaled_dot_product_attention(is_causal=True)`, tied head, compiled with its loss) with the
     same weights, batches and optimizer;
-  - `-docmask`: GPT-2 with `train.document_masking` (a 4-D mask per packed block).
+  - `-docmask`: GPT-2 with `train.document_masking`. On a GPU `train.attention: auto` makes it
+    FlexAttention block masks built from the blocks' document ids (the plain arm builds its
+    model the same way); `-dense` keeps the (B, 1, L, L) mask through SDPA, the path a CPU
+    takes, to compare the two.
   The arms' mean losses over the timed steps must agree within `LOSS_AGREEMENT` per model and
   masking; `run` exits non-zero when they do not (`loss_agreement` in the JSON).
 
@@ -119,18 +122,24 @@ LOSS_AGREEMENT = 0.02
 
 
 def _setting(
-    loop: str, model: str, compile_: bool, scope: str = "model_and_loss", docmask: bool = False
+    loop: str,
+    model: str,
+    compile_: bool,
+    scope: str = "model_and_loss",
+    docmask: bool = False,
+    attention: str = "auto",
 ) -> tuple[str, dict[str, Any]]:
     name = f"{loop}-{model}" + ("-docmask" if docmask else "")
+    name += "" if attention == "auto" else f"-{attention}"
     if compile_:
         name += "-compile" + ("-modules" if scope == "modules" else "")
     spec = {"loop": loop, "model": model, "compile": compile_, "scope": scope, "docmask": docmask}
-    return name, spec
+    return name, spec | {"attention": attention}
 
 
 #: In the order they run, the most wanted first (a device's time is short): the compiled
 #: loops of both models and the nanoGPT reference, module-by-module compilation, GPT-2 with
-#: document masking, then eager.
+#: document masking (FlexAttention, then the dense mask), then eager.
 SETTINGS: dict[str, dict[str, Any]] = dict(
     [
         _setting("lmpipe", "gpt2-124m", True),
@@ -142,6 +151,7 @@ SETTINGS: dict[str, dict[str, Any]] = dict(
         _setting("lmpipe", "bert-base", True, "modules"),
         _setting("lmpipe", "gpt2-124m", True, docmask=True),
         _setting("plain", "gpt2-124m", True, docmask=True),
+        _setting("lmpipe", "gpt2-124m", True, docmask=True, attention="dense"),
         _setting("lmpipe", "gpt2-124m", False),
         _setting("plain", "gpt2-124m", False),
         _setting("nanogpt", "gpt2-124m", False),
@@ -293,6 +303,7 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
             "compile": spec["compile"],
             "compile_scope": spec["scope"],
             "document_masking": spec["docmask"],
+            "attention": spec.get("attention", "auto"),
             "optim": OPTIM,
             # Evaluation at the start and end, one checkpoint at the end: outside the window.
             "eval": {"every_steps": 1 << 20, "max_samples": batch},
@@ -337,6 +348,7 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
         "losses": [row["loss"] for row in ordered],
         "flops_per_token": worker.telemetry.flops_per_token,
         "parameters": sum(p.numel() for p in worker.engine.module.parameters()),
+        "attention": cfg.document_attention(),
         **check,
         **_memory(gpu),
     }
@@ -433,6 +445,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     """A plain loop over the same model, loss and batches, all on the device beforehand."""
     import torch
 
+    from training.models.config import document_attention
     from training.models.flops import flops_per_token
     from training.models.models import ModelConfig, build_model
     from training.pretrain.data import sequence_length
@@ -446,7 +459,10 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     length = sequence_length(manifest)
     section = ModelConfig.model_validate(model_section(spec))
     specials = manifest["specials"]
-    model = build_model(section, objective, specials["vocab_size"], specials, length)
+    # The attention lmpipe's `train.attention: auto` picks for this model and device.
+    attention = document_attention("auto", section, spec["docmask"], device.type == "cuda")
+    vocab = specials["vocab_size"]
+    model = build_model(section, objective, vocab, specials, length, attention)
     model.load_state_dict(torch.load(spec["init"]))  # the arms' common start
     model = model.to(device).train()
     opt = _adamw(param_groups(model.named_parameters(), OPTIM["weight_decay"]))
@@ -475,6 +491,7 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
         "losses": [float(loss) for loss in losses],
         "flops_per_token": flops_per_token(model.config, length, objective, mlm_probability=mlm),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "attention": attention,
         **_memory(device.type == "cuda"),
     }
 
@@ -714,6 +731,7 @@ def summarize(
         "mean_loss": statistics.fmean(raw["losses"][warmup:]),
         "timed_steps": len(step_s),
         "wall_s": raw.get("wall_s"),
+        "attention": raw.get("attention"),  # dense or flex: how document masks ran
     }
 
 

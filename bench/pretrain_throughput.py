@@ -274,7 +274,11 @@ class BenchData:
 
     def tokens_per_step(self, steps: int) -> list[int]:
         """Real (non-padding) input tokens of each of the first `steps` batches."""
-        return [int(b["attention_mask"].sum()) for b in self.batches(steps)]
+        # A batch without padding carries no mask (training.pretrain.data.BatchBuilder).
+        return [
+            int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel()
+            for b in self.batches(steps)
+        ]
 
 
 def model_section() -> Any:

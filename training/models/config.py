@@ -3,7 +3,8 @@
 Only the config models and the names they use (families, sizes, aliases) live here, so that a
 recipe validates without importing torch or transformers (`lmpipe config` answers at once). What
 they mean is in the modules that use them: `training/models/models.py` (families, presets, the
-transformers config) and `electra.py`, which re-export these names. `train.distillation`
+transformers config), `attention.py` (the FlexAttention implementation of document-masked causal
+blocks) and `electra.py`, which re-export these names. `train.distillation`
 (`DistillConfig`) is in `training/pretrain/config.py`: it names a base model
 (`training.registry.model_ref`), whose resolution imports the model code.
 """
@@ -33,6 +34,10 @@ Family = Literal[
 ]
 Size = Literal["tiny", "mini", "small", "base", "large"]
 Value = int | float | str | bool
+#: `train.attention`: how document-masked causal blocks attend (docs/pretraining.md).
+Attention = Literal["auto", "dense", "flex"]
+#: What `auto` resolves to: the dense 4-D mask through SDPA, or FlexAttention block masks.
+DocumentAttention = Literal["dense", "flex"]
 
 #: Friendlier names accepted for `model.family`; a family's own name is its transformers
 #: `model_type`, so an export's config.json names its family.
@@ -110,3 +115,67 @@ class ElectraConfig(BaseModel):
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature of the generator's replacements."
     )
+
+
+#: The families that pack documents into causal blocks, with the config field of their
+#: attention-probability dropout and transformers' default for it (FlexAttention has none).
+CAUSAL_ATTENTION_DROPOUT: dict[str, tuple[str, float]] = {
+    "gpt2": ("attn_pdrop", 0.1),
+    "llama": ("attention_dropout", 0.0),
+    "mistral": ("attention_dropout", 0.0),
+    "mixtral": ("attention_dropout", 0.0),
+}
+
+
+def attention_dropout(model: ModelConfig) -> float:
+    """The attention dropout a causal family's model will have (0 for any other family)."""
+    if model.family not in CAUSAL_ATTENTION_DROPOUT:
+        return 0.0
+    field, default = CAUSAL_ATTENTION_DROPOUT[model.family]
+    if field in model.overrides:  # overrides win over `dropout`, as in the built config
+        return float(model.overrides[field])
+    return default if model.dropout is None else model.dropout
+
+
+def flex_attention_problem(model: ModelConfig, document_masking: bool, use_gpu: bool) -> str | None:
+    """Why `train.attention` flex cannot train this run; None when it can."""
+    families = ", ".join(CAUSAL_ATTENTION_DROPOUT)
+    if model.family not in CAUSAL_ATTENTION_DROPOUT:
+        return (
+            f"train.attention flex runs document-masked causal blocks, and train.model.family "
+            f"{model.family} packs none (flex is for {families})"
+        )
+    if not document_masking:
+        return (
+            "train.attention flex changes only document-masked blocks, and "
+            "train.document_masking is false (causal blocks already run SDPA's causal kernel)"
+        )
+    if not use_gpu:
+        return (
+            "train.attention flex needs a GPU (train.scale.use_gpu): FlexAttention has no "
+            "backward pass on a CPU"
+        )
+    dropout = attention_dropout(model)
+    if dropout > 0:
+        field = CAUSAL_ATTENTION_DROPOUT[model.family][0]
+        return (
+            f"train.attention flex has no attention dropout, and {model.family}'s {field} is "
+            f"{dropout}: set train.model.dropout=0 (or train.model.overrides.{field}=0)"
+        )
+    return None
+
+
+def document_attention(
+    attention: Attention, model: ModelConfig, document_masking: bool, use_gpu: bool
+) -> DocumentAttention:
+    """What `train.attention` means for this run: `auto` is flex wherever flex can train.
+
+    Raises:
+        ValueError: `attention` is flex and `flex_attention_problem` names why it cannot be.
+    """
+    problem = flex_attention_problem(model, document_masking, use_gpu)
+    if attention == "flex" and problem is not None:
+        raise ValueError(f"{problem}; or set train.attention to auto or dense")
+    if attention == "auto":
+        return "dense" if problem else "flex"
+    return attention

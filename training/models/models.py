@@ -20,7 +20,9 @@ from huggingface_hub.errors import StrictDataclassError
 
 from tasks.common.schema import ObjectiveMismatchError
 from training.models import presets
+from training.models.attention import DOCUMENT_FLEX, register_document_flex
 from training.models.config import ALIASES as ALIASES
+from training.models.config import DocumentAttention
 from training.models.config import Family as Family
 from training.models.config import ModelConfig as ModelConfig
 from training.models.config import Size as Size
@@ -31,6 +33,7 @@ Kind = Literal["encoder", "decoder", "seq2seq"]
 
 #: Attention kernel of every model we build: unlike flash attention, SDPA (like eager) honours
 #: the custom 4-D document mask of packed causal blocks (training/pretrain/packing.py).
+#: `train.attention` flex swaps in FlexAttention for those blocks (training/models/attention.py).
 ATTENTION = "sdpa"
 
 
@@ -383,15 +386,24 @@ def build_model(
     vocab_size: int,
     specials: Mapping[str, int | None],
     max_length: int,
+    attention: DocumentAttention = "dense",
 ) -> tf.PreTrainedModel:
     """Check the objective, then build a freshly initialised model (the caller seeds torch).
 
+    `attention` flex (`TrainConfig.document_attention`) makes a causal model attend through
+    FlexAttention where a batch carries document ids (training/models/attention.py).
+
     Raises:
         ObjectiveMismatchError: the family cannot train on `objective`.
-        ModelConfigError: see `model_config_for`.
+        ModelConfigError: see `model_config_for`; or flex for a family that is no decoder.
     """
     check_objective(cfg.family, objective)
     config = model_config_for(cfg, vocab_size, specials, max_length)
+    if attention == "flex":
+        if FAMILIES[cfg.family].kind != "decoder":
+            raise ModelConfigError(f"flex attention is for causal families, not {cfg.family}")
+        register_document_flex()
+        config._attn_implementation = DOCUMENT_FLEX
     model = model_class(cfg.family)(config)
     if cfg.activation_checkpointing:
         # transformers 5.23 deprecates gradient_checkpointing_enable for this name; it uses

@@ -61,7 +61,8 @@ def build_pretraining_model(
         if cfg.model.activation_checkpointing:
             distilled.student.activation_checkpointing_enable()
         return distilled
-    base = build_model(cfg.model, objective, vocab_size, specials, max_length)
+    attention = cfg.document_attention()
+    base = build_model(cfg.model, objective, vocab_size, specials, max_length, attention)
     if family != "electra":
         return base
     assert isinstance(base, tf.ElectraForPreTraining)

@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic.functional_validators import ModelWrapValidatorHandler
 
-from training.models.config import ElectraConfig, ModelConfig
+from training.models.config import (
+    Attention,
+    DocumentAttention,
+    ElectraConfig,
+    ModelConfig,
+    document_attention,
+)
 from training.pretrain.length_schedule import LengthSchedule
 from training.registry.model_ref import BaseModelRef
 
@@ -368,6 +374,14 @@ class TrainConfig(AutoPrecision):
     document_masking: bool = Field(
         False, description="causal: restart positions and block attention at document starts."
     )
+    attention: Attention = Field(
+        "auto",
+        description="How document-masked causal blocks attend. dense: a (B, 1, L, L) mask "
+        "through SDPA (no flash kernel). flex: FlexAttention block masks built from the "
+        "document ids (needs a GPU, document_masking, a causal family and no attention "
+        "dropout). auto (default): flex wherever it can train, else dense. Blocks of one "
+        "document, and unpadded encoder batches, get no mask at all either way.",
+    )
     length_schedule: LengthSchedule | None = Field(
         None,
         description="Sequence length by step (training/pretrain/length_schedule.py): `staged` "
@@ -429,6 +443,17 @@ class TrainConfig(AutoPrecision):
         if self.precision == "fp16" and not self.scale.use_gpu:
             raise ValueError("precision fp16 needs a GPU (scale.use_gpu); use bf16 or fp32 on CPU")
         return self
+
+    @model_validator(mode="after")
+    def _attention_can_train(self) -> TrainConfig:
+        self.document_attention()  # raises, naming train.attention, where flex cannot train
+        return self
+
+    def document_attention(self) -> DocumentAttention:
+        """How this run's document-masked blocks attend: `attention` with `auto` resolved."""
+        return document_attention(
+            self.attention, self.model, self.document_masking, self.scale.use_gpu
+        )
 
     def micro_batch(self, world_size: int) -> int:
         """Samples per forward pass on one of `world_size` ranks (`micro_batch_size` resolved)."""

@@ -224,7 +224,12 @@ DOCUMENT_IDS = "document_ids"
 
 @dataclass(frozen=True)
 class BatchBuilder:
-    """Turns rows of one objective into the model's input tensors (int64, CPU)."""
+    """Turns rows of one objective into the model's input tensors (int64, CPU).
+
+    A batch without padding carries no `attention_mask`, and a document-masked causal batch of
+    one document per row no `document_ids`: both are decided here from NumPy, so the device
+    never has to be asked whether a mask may be dropped.
+    """
 
     objective: str
     masker: Masker | None = None
@@ -267,13 +272,19 @@ class BatchBuilder:
                 if label in rows:
                     batch[label] = rows[label].astype(np.int64)
         batch[schema.INPUT_IDS] = ids
-        batch["attention_mask"] = mask
+        if not mask.all():  # decided here, on the host: no mask lets SDPA run flash kernels
+            batch["attention_mask"] = mask
         return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
 
     def _causal(self, ids: np.ndarray, rows: dict[str, Any]) -> dict[str, Any]:
         batch: dict[str, Any] = {schema.INPUT_IDS: torch.from_numpy(ids)}
         if self.document_masking:
             starts, length = rows[schema.DOC_STARTS], ids.shape[1]
-            batch[DOCUMENT_IDS] = torch.from_numpy(document_ids(starts, length))  # (B, L)
+            documents = document_ids(starts, length)  # (B, L)
+            if (documents[:, -1] == documents[:, 0]).all():
+                # One document per row: plain causal attention is the document mask, and
+                # without a mask SDPA runs its causal flash kernel (positions count from 0).
+                return batch
+            batch[DOCUMENT_IDS] = torch.from_numpy(documents)
             batch["position_ids"] = torch.from_numpy(document_positions(starts, length))
         return batch

@@ -1,7 +1,9 @@
 """The losses of the decoder objectives: causal LM (GPT, Llama, Mistral, Mixtral) and seq2seq.
 
-Document-masked causal blocks carry `document_ids`, from which the 4-D additive mask is built on
-the device (training/pretrain/packing.py); a 4-D `attention_mask` given instead is used as is.
+Document-masked causal blocks carry `document_ids`, from which the attention mask is built on
+the device (training/pretrain/packing.py): a FlexAttention block mask for a model that attends
+through FlexAttention (`train.attention` flex, training/models/attention.py), else the 4-D
+additive mask; a 4-D `attention_mask` given instead is used as is.
 Seq2seq is T5's span corruption and BART's denoising: decoder cross-entropy on the targets.
 """
 
@@ -13,8 +15,11 @@ import torch
 import torch.nn.functional as F
 import transformers as tf
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from tasks.common import schema
+from training.models.attention import uses_document_flex
 from training.models.vocab import mask_padded_vocab
 from training.pretrain.data import DOCUMENT_IDS
 from training.pretrain.loss_common import (
@@ -26,7 +31,7 @@ from training.pretrain.loss_common import (
     step_output,
     token_loss,
 )
-from training.pretrain.packing import causal_document_mask
+from training.pretrain.packing import causal_document_mask, document_block_mask
 
 
 def _model_mask(
@@ -52,6 +57,19 @@ def _model_mask(
     )
 
 
+def _attention_mask(
+    model: tf.PreTrainedModel, batch: Mapping[str, Tensor]
+) -> Tensor | BlockMask | None:
+    """The mask the model gets: built here from `document_ids`, on the batch's device."""
+    window = getattr(model.config, "sliding_window", None)
+    if DOCUMENT_IDS not in batch:
+        return _model_mask(batch.get(ATTENTION_MASK), model.dtype, window)
+    documents = batch[DOCUMENT_IDS]  # (B, L)
+    if uses_document_flex(model.config):
+        return document_block_mask(documents, window)
+    return _model_mask(causal_document_mask(documents, model.dtype), model.dtype, window)
+
+
 def causal_logits(model: tf.PreTrainedModel, batch: Mapping[str, Tensor]) -> Tensor:
     """(B, T, V) next-token logits, honouring document `position_ids` and a 4-D mask if given.
 
@@ -67,21 +85,36 @@ def _causal_forward(
 ) -> tuple[Tensor, Tensor | None]:
     """`causal_logits`, plus the router's load-balancing loss of a mixture of experts."""
     require(batch, schema.INPUT_IDS)
+    inputs = {
+        "input_ids": batch[schema.INPUT_IDS],
+        "attention_mask": _attention_mask(model, batch),
+        "position_ids": batch.get(POSITION_IDS),
+        "use_cache": False,  # training: no KV cache (and none under activation checkpointing)
+    }
+    if router_loss and DOCUMENT_IDS in batch:
+        return _experts_on_documents(model, inputs)
     extra = {"output_router_logits": True} if router_loss else {}
-    mask = batch.get(ATTENTION_MASK)
-    if DOCUMENT_IDS in batch:  # built here, on the batch's device, in the model's dtype
-        mask = causal_document_mask(batch[DOCUMENT_IDS], model.dtype)
-    out = model(
-        input_ids=batch[schema.INPUT_IDS],
-        attention_mask=_model_mask(
-            mask, model.dtype, getattr(model.config, "sliding_window", None)
-        ),
-        position_ids=batch.get(POSITION_IDS),
-        use_cache=False,  # training: no KV cache (and none under activation checkpointing)
-        **extra,
-    )
+    out = model(**inputs, **extra)
     logits = mask_padded_vocab(out.logits, model.config)
     return logits, getattr(out, "aux_loss", None) if router_loss else None
+
+
+def _experts_on_documents(
+    model: tf.PreTrainedModel, inputs: Mapping[str, object]
+) -> tuple[Tensor, Tensor]:
+    """Mixtral's logits and load-balancing loss on a document-masked block.
+
+    `MixtralForCausalLM` weighs its balance loss by `attention_mask` read as a (B, T) padding
+    mask, which a document mask (4-D, or a block mask) is not: it fails on one. A packed block
+    has no padding, so the base model runs here and the loss counts every token, as the
+    model's own does without a mask.
+    """
+    out = model.model(**inputs, output_router_logits=True)
+    logits = mask_padded_vocab(model.lm_head(out.last_hidden_state), model.config)  # (B, T, V)
+    experts, top_k = model.config.num_local_experts, model.config.num_experts_per_tok
+    aux = load_balancing_loss_func(out.router_logits, experts, top_k, None)
+    assert isinstance(aux, Tensor)  # an int only when there are no router logits
+    return logits, aux
 
 
 def causal_loss(model: tf.PreTrainedModel, batch: Mapping[str, Tensor]) -> StepOutput:

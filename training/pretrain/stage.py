@@ -203,7 +203,13 @@ def pretrain_stage(
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     if record.get("registered") and not stop_at_step:
         return dict(record["summary"]) | {"reused": True}
-    log.info("pretraining run %s: %s", run_id, cfg.precision_choice())
+    log.info(
+        "pretraining run %s: %s, attention %s (train.attention %s)",
+        run_id,
+        cfg.precision_choice(),
+        cfg.document_attention(),
+        cfg.attention,
+    )
     tags = {"stage": "pretrain", "train_run": run_id, "family": cfg.model.family}
     with tracked_run(
         tracking,
@@ -250,6 +256,7 @@ def _log_start(
     tracker.log_params(
         flatten({"train": cfg.model_dump(mode="json")})
         | {"resolved_precision": cfg.precision, "requested_precision": cfg.requested_precision}
+        | {"resolved_attention": cfg.document_attention()}
     )
     tracker.log_inputs(
         [
