@@ -41,8 +41,9 @@ from training.evaluate.prompting import classify_by_prompting
 from training.evaluate.report import html_page, markdown_table
 from training.models.export import load_export
 from training.models.models import FAMILIES
-from training.registry.tracking import DatasetRef, TrackingConfig, output_ref, tracked_run
+from training.registry.tracking import DatasetRef, output_ref, tracked_run
 from training.runtime.progress import ProgressSpec, artifact_key, local_progress
+from training.runtime.run_context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -273,10 +274,8 @@ def _finetuned_section(finetuned: dict[str, Any]) -> dict[str, Any]:
 def evaluate_task(
     model_dir: str,
     cfg: EvaluateConfig,
-    tracking: TrackingConfig,
-    workspace: str,
-    run_name: str,
-    seed: int = 0,
+    *,
+    run: RunContext,
     examples: tuple[str, str] | None = None,
     task_dir: str | None = None,
     finetuned: dict[str, Any] | None = None,
@@ -290,19 +289,19 @@ def evaluate_task(
     """
     examples_paths = (Path(examples[0]), Path(examples[1])) if examples else None
     task_path = Path(task_dir) if task_dir else None
-    fp = evaluate_fingerprint(Path(model_dir), cfg, seed, examples_paths, task_path, finetuned)
-    out = Path(workspace) / "evaluate" / fp
+    fp = evaluate_fingerprint(Path(model_dir), cfg, run.seed, examples_paths, task_path, finetuned)
+    out = run.workspace / "evaluate" / fp
     done = complete_manifest(out)
     if done is not None:
         log.info("evaluation %s already done: reused", fp)
         return dict(done["summary"]) | {"path": str(out), "reused": True}
     remove_stale_temps(out)
     tmp = temp_dir_beside(out)
-    key = artifact_key(f"{run_name}-evaluate-progress")
+    key = artifact_key(f"{run.name}-evaluate-progress")
     result = evaluate_model(
         Path(model_dir),
         cfg,
-        seed=seed,
+        seed=run.seed,
         examples=examples_paths,
         task_dir=task_path,
         progress=ProgressSpec("evaluate", get_run_logger(), key),
@@ -310,16 +309,8 @@ def evaluate_task(
     if finetuned:
         result["finetuned"] = _finetuned_section(finetuned)
     files, text = evaluation_report(result, tmp)
-    tags = {"stage": "evaluate", "lmpipe.stage": "evaluate", "lmpipe.fingerprint": fp}
-    name = f"{run_name}-evaluate"
-    with tracked_run(tracking, Path(workspace), name, tags) as tracker:
-        if tracker.run_id is not None:
-            tracker.log_inputs(evaluate_inputs(Path(model_dir), examples_paths, task_path))
-        tracker.log_metrics(_numbers(result))
-        for path in files:
-            tracker.log_artifact(path, "evaluation")
-        if tracker.run_id is not None:
-            result["mlflow_run_id"] = tracker.run_id
+    inputs = evaluate_inputs(Path(model_dir), examples_paths, task_path)
+    result |= _log_evaluation(result, files, fp, inputs, run=run)
     summary = {"stage": "evaluate", "fingerprint": fp, **result}
     manifest = {
         "stage": "evaluate",
@@ -332,3 +323,22 @@ def evaluate_task(
     commit_dir(tmp, out)
     create_markdown_artifact(text, key="evaluation", description="Model evaluation")
     return summary | {"path": str(out), "reused": False}
+
+
+def _log_evaluation(
+    result: dict[str, Any],
+    files: list[Path],
+    fp: str,
+    inputs: list[DatasetRef],
+    *,
+    run: RunContext,
+) -> dict[str, Any]:
+    """Log an evaluation's inputs, metrics and report to its MLflow run; return its run id."""
+    tags = {"stage": "evaluate", "lmpipe.stage": "evaluate", "lmpipe.fingerprint": fp}
+    with tracked_run(run.tracking, run.workspace, f"{run.name}-evaluate", tags) as tracker:
+        if tracker.run_id is not None:
+            tracker.log_inputs(inputs)
+        tracker.log_metrics(_numbers(result))
+        for path in files:
+            tracker.log_artifact(path, "evaluation")
+    return {} if tracker.run_id is None else {"mlflow_run_id": tracker.run_id}
