@@ -486,23 +486,18 @@ def child_lmpipe_local(spec: dict[str, Any]) -> dict[str, Any]:
 def child_lmpipe_ray(spec: dict[str, Any]) -> dict[str, Any]:
     """Run lmpipe's loop on Ray Train (`run_training`): 1 worker, 2 CPUs, a local Ray."""
     from tasks.common.ray_runtime import RayConfig
+    from training.registry.tracking import TrackingConfig
     from training.runtime.launcher import run_id_for, run_training, storage_root
+    from training.runtime.run_context import RunContext
 
     workspace = Path(spec["run_dir"])
     examples, tokenizer = Path(spec["examples_dir"]), Path(spec["tokenizer_dir"])
     cfg = train_config(spec, workspace / "pretrain")
     os.environ.update(spec.get("ray_env", {}))  # read by the local Ray that run_training starts
     run_dir = storage_root(cfg, workspace) / run_id_for(cfg, SEED, examples, tokenizer)
-    run_training(
-        cfg,
-        SEED,
-        examples,
-        tokenizer,
-        workspace,
-        RayConfig(num_workers=1, num_cpus=THREADS),
-        tracking_uri=None,
-        mlflow_run_id=None,
-    )
+    ray_cfg, off = RayConfig(num_workers=1, num_cpus=THREADS), TrackingConfig(enabled=False)
+    run = RunContext(workspace, seed=SEED, ray=ray_cfg, tracking=off, name="throughput")
+    run_training(cfg, examples, tokenizer, run=run, mlflow_run_id=None)
     import ray
 
     ray.shutdown()

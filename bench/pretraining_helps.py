@@ -59,6 +59,7 @@ from tasks.tokenizer.tokenizer import TokenizerConfig  # noqa: E402
 from training.pretrain.config import TrainConfig  # noqa: E402
 from training.pretrain.stage import pretrain_stage  # noqa: E402
 from training.registry.tracking import TrackingConfig  # noqa: E402
+from training.runtime.run_context import RunContext  # noqa: E402
 
 RAY = RayConfig(num_workers=2, num_cpus=4)
 Split = tuple[list[str], list[int]]
@@ -138,16 +139,9 @@ def train_config(args: argparse.Namespace, storage: Path) -> TrainConfig:
 
 def pretrain(cfg: TrainConfig, seed: int, examples: Path, tokenizer: Path, work: Path) -> Path:
     """Pretrain with lmpipe (or reuse the finished run); return the export directory."""
-    summary = pretrain_stage(
-        cfg,
-        seed,
-        examples,
-        tokenizer,
-        work / "ws",
-        RAY,
-        TrackingConfig(enabled=False),
-        "pretraining-helps",
-    )
+    off = TrackingConfig(enabled=False)
+    run = RunContext(work / "ws", seed=seed, ray=RAY, tracking=off, name="pretraining-helps")
+    summary = pretrain_stage(cfg, examples, tokenizer, run=run)
     return Path(summary["export_dir"])
 
 

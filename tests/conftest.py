@@ -248,11 +248,11 @@ class DemoData:
         """`pretrain_stage` (seed 0, 2 workers on the session's Ray) on examples of `examples`."""
         from training.pretrain.stage import pretrain_stage
         from training.registry.tracking import TrackingConfig
+        from training.runtime.run_context import RunContext
 
         tracking = TrackingConfig(tracking_uri=mlflow_uri, experiment=experiment)
-        return pretrain_stage(
-            cfg, 0, data["examples"], data["tokenizer"], workspace, self.ray, tracking, run_name
-        )
+        run = RunContext(workspace, seed=0, ray=self.ray, tracking=tracking, name=run_name)
+        return pretrain_stage(cfg, data["examples"], data["tokenizer"], run=run)
 
 
 @pytest.fixture(scope="session")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Any
 
 from prefect import flow
 
 from pipelines.config import RunConfig, load_config
 from pipelines.flows.finetune_flow import prepare_task, upstream
-from pipelines.flows.steps import base_model
+from pipelines.flows.steps import base_model, run_context
 from pipelines.ops.runtime import resolve_environment
 from training.finetune.compare import compare_task
 from training.finetune.stage import finetune_task
@@ -26,6 +27,7 @@ def compare_flow(cfg: RunConfig) -> dict[str, Any]:
     cfg = resolve_environment(cfg)
     experiment = cfg.compare.experiment or f"{cfg.tracking.experiment}-compare"
     tracking = cfg.tracking.model_copy(update={"experiment": experiment})
+    run = replace(run_context(cfg), tracking=tracking)
     data = prepare_task(cfg)
     model_dir, lineage = base_model(cfg, upstream(cfg))
     names, summaries = [], []
@@ -37,12 +39,13 @@ def compare_flow(cfg: RunConfig) -> dict[str, Any]:
         }
         finetune = cfg.finetune.model_copy(update=update)
         for seed in cfg.compare.seeds:
-            args = (finetune, seed, data["path"], model_dir, str(cfg.workspace), cfg.ray)
-            summaries.append(finetune_task(*args, tracking, cfg.name, lineage))
+            seeded = replace(run, seed=seed)
+            args = (finetune, data["path"], model_dir)
+            summaries.append(finetune_task(*args, run=seeded, lineage=lineage))
             names.append(entry.name())
     out = cfg.workspace / "compare" / data["fingerprint"]
-    table = (names, summaries, cfg.compare.metric, str(out), tracking, str(cfg.workspace))
-    rows = compare_task(*table, cfg.name, data["path"])
+    table = (names, summaries, cfg.compare.metric, str(out), data["path"])
+    rows = compare_task(*table, run=run)
     return {"downstream": data, "compare": {"rows": rows, "report_dir": str(out)}}
 
 

@@ -34,6 +34,7 @@ from tasks.encode.stage import encode_task
 from tasks.examples.stage import examples_task
 from tasks.ingest.stage import ingest_task
 from tasks.tokenizer.stage import tokenizer_task
+from training.runtime.run_context import RunContext
 
 Stages = dict[str, dict[str, Any]]
 P = ParamSpec("P")
@@ -54,6 +55,13 @@ def retrying(task: Task[P, R], cfg: RunConfig) -> Task[P, R]:
 def cached(task: Task[P, dict[str, Any]], cfg: RunConfig) -> Task[P, dict[str, Any]]:
     """A data stage's task with the run's retry policy and the workspace's result store."""
     return retrying(in_workspace(task, cfg.workspace), cfg)
+
+
+def run_context(cfg: RunConfig) -> RunContext:
+    """The run context the training stages take: the run's workspace, seed, Ray, tracking, name."""
+    return RunContext(
+        workspace=cfg.workspace, seed=cfg.seed, ray=cfg.ray, tracking=cfg.tracking, name=cfg.name
+    )
 
 
 def corpus_path(stages: Stages) -> str:
@@ -116,17 +124,7 @@ def pretrain_step(cfg: RunConfig, stages: Stages, resume: bool = False) -> Stage
     from training.pretrain.stage import pretrain_task  # torch: only where it trains
 
     examples, tokenizer = stages["examples"]["path"], stages["tokenizer"]["path"]
-    result = pretrain_task(
-        cfg.train,
-        cfg.seed,
-        examples,
-        tokenizer,
-        str(cfg.workspace),
-        cfg.ray,
-        cfg.tracking,
-        cfg.name,
-        resume,
-    )
+    result = pretrain_task(cfg.train, examples, tokenizer, run=run_context(cfg), resume=resume)
     return _trained(cfg, "pretrain", result)
 
 
@@ -181,17 +179,8 @@ def finetune_step(cfg: RunConfig, stages: Stages) -> Stages:
     from training.finetune.stage import finetune_task
 
     model_dir, lineage = base_model(cfg, stages)
-    result = finetune_task(
-        cfg.finetune,
-        cfg.seed,
-        stages["downstream"]["path"],
-        model_dir,
-        str(cfg.workspace),
-        cfg.ray,
-        cfg.tracking,
-        cfg.name,
-        lineage,
-    )
+    data_dir = stages["downstream"]["path"]
+    result = finetune_task(cfg.finetune, data_dir, model_dir, run=run_context(cfg), lineage=lineage)
     return _trained(cfg, "finetune", result)
 
 
@@ -207,12 +196,9 @@ def evaluate_step(cfg: RunConfig, stages: Stages) -> Stages:
     result = retrying(evaluate_task, cfg)(
         model_dir,
         cfg.evaluate,
-        cfg.tracking,
-        str(cfg.workspace),
-        cfg.name,
-        cfg.seed,
-        examples,
-        task_dir,
-        stages.get("finetune"),
+        run=run_context(cfg),
+        examples=examples,
+        task_dir=task_dir,
+        finetuned=stages.get("finetune"),
     )
     return _trained(cfg, "evaluate", result | {"report_dir": result["path"]})

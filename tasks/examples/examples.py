@@ -192,6 +192,12 @@ def _causal_examples(
     return pa.table(arrays, schema=out_schema), stats
 
 
+def shift_right(labels: np.ndarray, start_id: int) -> np.ndarray:
+    """Return the decoder inputs of `labels` (N, T): `start_id`, then each row's first T-1 ids."""
+    start = np.full((len(labels), 1), start_id, dtype=labels.dtype)  # (N, 1)
+    return np.concatenate([start, labels[:, :-1]], axis=1)  # (N, T)
+
+
 def _span_examples(
     docs: EncodedDocs, cfg: ExamplesConfig, ctx: ShardContext
 ) -> tuple[pa.Table, dict[str, int]]:
@@ -202,9 +208,7 @@ def _span_examples(
     chunks, dropped = raw_chunks(docs, raw_length)
     keys = sample_keys(shard_seed(ctx.seed, ctx.shard, 0), 0, np.arange(len(chunks)))
     inputs, targets, noise = span_corrupt(chunks, keys, cfg.span, sp.sentinel_top, sp.eos)
-    decoder = np.concatenate(
-        [np.full((len(targets), 1), sp.pad, dtype=targets.dtype), targets[:, :-1]], axis=1
-    )
+    decoder = shift_right(targets, sp.pad)
     spans = int((noise[:, 1:] & ~noise[:, :-1]).sum() + noise[:, 0].sum())
     stats = _token_stats(np.full(len(inputs), cfg.max_seq_length), cfg.max_seq_length)
     stats |= {
@@ -233,9 +237,7 @@ def _denoising_examples(
     assert sp.mask is not None
     labels, starts, lengths = sentence_rows(docs, cfg.max_seq_length, sp.cls, sp.eos, sp.pad)
     # BART's decoder starts with </s> (decoder_start_token_id = eos), then the labels.
-    decoder = np.concatenate(
-        [np.full((len(labels), 1), sp.eos, dtype=labels.dtype), labels[:, :-1]], axis=1
-    )
+    decoder = shift_right(labels, sp.eos)
     out_schema = schema.examples_schema("denoising", cfg.max_seq_length, ctx.ids, labels=True)
     tables: list[pa.Table] = []
     totals: dict[str, int] = {}

@@ -25,7 +25,9 @@ from figures import FULL, record_row
 from tasks.common.ray_runtime import RayConfig
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import Cursor, ExampleShards, GlobalOrder
+from training.registry.tracking import TrackingConfig
 from training.runtime.launcher import run_training
+from training.runtime.run_context import RunContext
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
 
@@ -81,12 +83,14 @@ def test_resume_at_any_position_and_worker_count_misses_and_repeats_nothing(
     size = len(ExampleShards(data["examples"], "train"))
     assert size // GLOBAL_BATCH == STOPS["epoch-boundary"], "the demo split changed size"
     ray_cfg = RayConfig(num_workers=2, num_cpus=4)
-    args = (0, data["examples"], data["tokenizer"], tmp_path / "ws", ray_cfg)
+    args = (data["examples"], data["tokenizer"])
+    off = TrackingConfig(enabled=False)
+    ctx = RunContext(tmp_path / "ws", seed=0, ray=ray_cfg, tracking=off, name="matrix")
     storage = tmp_path / "run"
     first = run_training(
         matrix_config(storage, before, zero, steps),
         *args,
-        tracking_uri=None,
+        run=ctx,
         mlflow_run_id=None,
         stop_at_step=STOPS[stop],
     )
@@ -95,7 +99,7 @@ def test_resume_at_any_position_and_worker_count_misses_and_repeats_nothing(
     second = run_training(
         matrix_config(storage, after, zero, steps),
         *args,
-        tracking_uri=None,
+        run=ctx,
         mlflow_run_id=None,
         resume=True,
     )

@@ -11,7 +11,9 @@ from typing import Any
 
 from tasks.common.ray_runtime import RayConfig
 from training.pretrain.config import TrainConfig
+from training.registry.tracking import TrackingConfig
 from training.runtime.launcher import TrainingRun, run_training
+from training.runtime.run_context import RunContext
 
 
 def tiny_bert_config(
@@ -42,14 +44,6 @@ def train(cfg: TrainConfig, data: dict[str, Path], **kw: Any) -> TrainingRun:
     """Run `cfg` on `data` (`examples`, `tokenizer`) without MLflow; `kw` go to run_training."""
     storage = cfg.checkpoint.storage_path
     assert storage is not None, "the reliability runs keep their checkpoints under tmp_path"
-    return run_training(
-        cfg,
-        0,
-        data["examples"],
-        data["tokenizer"],
-        storage / "ws",
-        RayConfig(num_workers=2, num_cpus=4),
-        tracking_uri=None,
-        mlflow_run_id=None,
-        **kw,
-    )
+    ray_cfg, off = RayConfig(num_workers=2, num_cpus=4), TrackingConfig(enabled=False)
+    ctx = RunContext(storage / "ws", seed=0, ray=ray_cfg, tracking=off, name="reliability")
+    return run_training(cfg, data["examples"], data["tokenizer"], run=ctx, mlflow_run_id=None, **kw)

@@ -1,10 +1,12 @@
 """The evaluate stage: intrinsic probes of a model and zero/few-shot prompting on a local task.
 
-`evaluate_stage` loads a model directory (a pretraining export, or any HF model of a supported
+`evaluate_model` loads a model directory (a pretraining export, or any HF model of a supported
 family), runs what fits its family (held-out perplexity / MLM accuracy when the pretraining
 examples are known, fill-mask probes for encoders, generation samples for decoders and T5,
-prompting on a classification task for causal LMs), writes `evaluation.json` and a Markdown +
-HTML report, and logs both to an MLflow run. `evaluate_task` is the Prefect wrapper.
+prompting on a classification task for causal LMs); `evaluation_report` writes
+`evaluation.json` and a Markdown + HTML report. `evaluate_task` is the Prefect wrapper: it runs
+both on the stage scaffold (`tasks/common/stage.py`; `plan_evaluation` fingerprints and places
+the output) and logs the report to an MLflow run.
 """
 
 from __future__ import annotations
@@ -22,13 +24,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.common import schema
 from tasks.common.io import fingerprint, read_downstream_dir, source_hash, write_json_atomic
-from tasks.common.stage import (
-    commit_dir,
-    complete_manifest,
-    file_entry,
-    remove_stale_temps,
-    temp_dir_beside,
-)
+from tasks.common.stage import StageOutput, complete_manifest, file_entry
 from training.evaluate.config import EvaluateConfig as EvaluateConfig
 from training.evaluate.intrinsic import (
     fill_mask_probes,
@@ -41,11 +37,13 @@ from training.evaluate.prompting import classify_by_prompting
 from training.evaluate.report import html_page, markdown_table
 from training.models.export import load_export
 from training.models.models import FAMILIES
-from training.registry.tracking import DatasetRef, TrackingConfig, output_ref, tracked_run
+from training.registry.tracking import DatasetRef, output_ref, tracked_run
 from training.runtime.progress import ProgressSpec, artifact_key, local_progress
+from training.runtime.run_context import RunContext
 
 log = logging.getLogger(__name__)
 
+STAGE = "evaluate"
 ENCODERS = tuple(family for family, spec in FAMILIES.items() if spec.kind == "encoder")
 
 
@@ -216,31 +214,39 @@ def _numbers(result: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
-def evaluate_fingerprint(
+def plan_evaluation(
     model_dir: Path,
     cfg: EvaluateConfig,
-    seed: int,
     examples: tuple[Path, Path] | None,
     task_dir: Path | None,
     finetuned: dict[str, Any] | None,
-) -> str:
-    """The evaluation's identity: the model, its data, the config, the seed and the code."""
+    *,
+    run: RunContext,
+) -> StageOutput:
+    """Fingerprint an evaluation and place its output at `<workspace>/evaluate/<fingerprint>/`.
+
+    The fingerprint is the evaluation's identity: the model's files, its data, the config, the
+    run seed, the fine-tuned model and the code of `tasks/` and `training/` (not only `tasks/`,
+    as `plan_output` keys data stages), so the evaluations made before are still found.
+    """
     from training.finetune.stage import model_fingerprint
 
     def manifest_fp(path: Path) -> str:
         return str(json.loads((path / "manifest.json").read_text())["fingerprint"])
 
-    return fingerprint(
-        {
-            "model": model_fingerprint(model_dir),
-            "evaluate": cfg.model_dump(mode="json"),
-            "seed": seed,
-            "examples": [manifest_fp(p) for p in examples] if examples else None,
-            "task": manifest_fp(task_dir) if task_dir else None,
-            "finetuned": _finetuned_identity(finetuned),
-            "code": source_hash("tasks", "training"),
-        }
-    )
+    config = cfg.model_dump(mode="json")
+    inputs = {
+        "model": model_fingerprint(model_dir),
+        "seed": run.seed,
+        "examples": [manifest_fp(p) for p in examples] if examples else None,
+        "task": manifest_fp(task_dir) if task_dir else None,
+        # A fine-tuning run directory is named by its own identity (data, model, config, seed).
+        "finetuned": Path(finetuned["run_dir"]).name if finetuned else None,
+    }
+    code = source_hash("tasks", "training")
+    fp = fingerprint(inputs | {"evaluate": config, "code": code})
+    path = run.workspace / STAGE / fp
+    return StageOutput(STAGE, path, fp, config, {"source_hash": code}, inputs)
 
 
 def evaluate_inputs(
@@ -258,11 +264,6 @@ def evaluate_inputs(
     return refs
 
 
-def _finetuned_identity(finetuned: dict[str, Any] | None) -> str | None:
-    # A fine-tuning run directory is named by its own identity (data, model, config, seed).
-    return Path(finetuned["run_dir"]).name if finetuned else None
-
-
 def _finetuned_section(finetuned: dict[str, Any]) -> dict[str, Any]:
     """What the report shows of the fine-tuned model: its test metrics and where it is."""
     keys = ("export_dir", "model_name", "model_version", "strategy", "best_epoch")
@@ -273,36 +274,32 @@ def _finetuned_section(finetuned: dict[str, Any]) -> dict[str, Any]:
 def evaluate_task(
     model_dir: str,
     cfg: EvaluateConfig,
-    tracking: TrackingConfig,
-    workspace: str,
-    run_name: str,
-    seed: int = 0,
+    *,
+    run: RunContext,
     examples: tuple[str, str] | None = None,
     task_dir: str | None = None,
     finetuned: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Prefect task: evaluate (or reuse), write the report, log it to MLflow, publish it.
 
-    The output is `<workspace>/evaluate/<fingerprint>/`; an evaluation with the same model,
-    data, config, seed, fine-tuned model and code is reused as it is (`reused: true`). With
-    `finetuned` (a fine-tuning summary), the report also shows the fine-tuned model's test
-    metrics.
+    The output is `<workspace>/evaluate/<fingerprint>/` (`plan_evaluation`); an evaluation with
+    the same model, data, config, seed, fine-tuned model and code is reused as it is (`reused:
+    true`). With `finetuned` (a fine-tuning summary), the report also shows the fine-tuned
+    model's test metrics.
     """
     examples_paths = (Path(examples[0]), Path(examples[1])) if examples else None
     task_path = Path(task_dir) if task_dir else None
-    fp = evaluate_fingerprint(Path(model_dir), cfg, seed, examples_paths, task_path, finetuned)
-    out = Path(workspace) / "evaluate" / fp
-    done = complete_manifest(out)
+    out = plan_evaluation(Path(model_dir), cfg, examples_paths, task_path, finetuned, run=run)
+    done = out.reuse(complete_manifest)
     if done is not None:
-        log.info("evaluation %s already done: reused", fp)
-        return dict(done["summary"]) | {"path": str(out), "reused": True}
-    remove_stale_temps(out)
-    tmp = temp_dir_beside(out)
-    key = artifact_key(f"{run_name}-evaluate-progress")
+        log.info("evaluation %s already done: reused", out.fingerprint)
+        return dict(done["summary"]) | {"path": str(out.path), "reused": True}
+    tmp = out.open_temp_dir()
+    key = artifact_key(f"{run.name}-evaluate-progress")
     result = evaluate_model(
         Path(model_dir),
         cfg,
-        seed=seed,
+        seed=run.seed,
         examples=examples_paths,
         task_dir=task_path,
         progress=ProgressSpec("evaluate", get_run_logger(), key),
@@ -310,25 +307,35 @@ def evaluate_task(
     if finetuned:
         result["finetuned"] = _finetuned_section(finetuned)
     files, text = evaluation_report(result, tmp)
-    tags = {"stage": "evaluate", "lmpipe.stage": "evaluate", "lmpipe.fingerprint": fp}
-    name = f"{run_name}-evaluate"
-    with tracked_run(tracking, Path(workspace), name, tags) as tracker:
-        if tracker.run_id is not None:
-            tracker.log_inputs(evaluate_inputs(Path(model_dir), examples_paths, task_path))
-        tracker.log_metrics(_numbers(result))
-        for path in files:
-            tracker.log_artifact(path, "evaluation")
-        if tracker.run_id is not None:
-            result["mlflow_run_id"] = tracker.run_id
-    summary = {"stage": "evaluate", "fingerprint": fp, **result}
+    inputs = evaluate_inputs(Path(model_dir), examples_paths, task_path)
+    result |= _log_evaluation(result, files, out.fingerprint, inputs, run=run)
+    summary = {"stage": STAGE, "fingerprint": out.fingerprint, **result}
     manifest = {
-        "stage": "evaluate",
-        "fingerprint": fp,
+        "stage": STAGE,
+        "fingerprint": out.fingerprint,
         "files": [file_entry(tmp, path) for path in files],
         "metrics": _numbers(result),
         "summary": summary,
     }
-    write_json_atomic(tmp / "manifest.json", manifest)
-    commit_dir(tmp, out)
+    out.commit(manifest, built_in=tmp)
     create_markdown_artifact(text, key="evaluation", description="Model evaluation")
-    return summary | {"path": str(out), "reused": False}
+    return summary | {"path": str(out.path), "reused": False}
+
+
+def _log_evaluation(
+    result: dict[str, Any],
+    files: list[Path],
+    fp: str,
+    inputs: list[DatasetRef],
+    *,
+    run: RunContext,
+) -> dict[str, Any]:
+    """Log an evaluation's inputs, metrics and report to its MLflow run; return its run id."""
+    tags = {"stage": STAGE, "lmpipe.stage": STAGE, "lmpipe.fingerprint": fp}
+    with tracked_run(run.tracking, run.workspace, f"{run.name}-evaluate", tags) as tracker:
+        if tracker.run_id is not None:
+            tracker.log_inputs(inputs)
+        tracker.log_metrics(_numbers(result))
+        for path in files:
+            tracker.log_artifact(path, "evaluation")
+    return {} if tracker.run_id is None else {"mlflow_run_id": tracker.run_id}

@@ -21,7 +21,8 @@ from prefect.cache_policies import NO_CACHE
 from training.evaluate.report import comparison_report
 from training.finetune.config import CompareConfig as CompareConfig
 from training.finetune.config import CompareEntry as CompareEntry
-from training.registry.tracking import TrackingConfig, output_ref, tracked_run
+from training.registry.tracking import output_ref, tracked_run
+from training.runtime.run_context import RunContext
 
 
 def summarise_comparison(
@@ -69,19 +70,19 @@ def log_comparison(
     rows: Sequence[Mapping[str, Any]],
     metric: str,
     out_dir: Path,
-    tracking: TrackingConfig,
-    workspace: Path,
-    run_name: str,
+    *,
+    run: RunContext,
     data_dir: Path | None = None,
 ) -> str:
     """Write the comparison report; log it with per-row metrics to a summary MLflow run.
 
-    `data_dir`, the prepared task the runs were fine-tuned and tested on, is the run's dataset
-    input. The run ends FAILED when logging raises. Returns the Markdown table.
+    The run is `<run.name>-compare`, in `run.tracking`'s experiment. `data_dir`, the prepared
+    task the runs were fine-tuned and tested on, is the run's dataset input. The run ends FAILED
+    when logging raises. Returns the Markdown table.
     """
     files, text = comparison_report(rows, metric, out_dir, f"Strategy comparison ({metric})")
-    name = f"{run_name}-compare"
-    with tracked_run(tracking, workspace, name, {"stage": "compare"}) as tracker:
+    name = f"{run.name}-compare"
+    with tracked_run(run.tracking, run.workspace, name, {"stage": "compare"}) as tracker:
         if data_dir is not None:
             tracker.log_inputs([output_ref("downstream", data_dir, "evaluation")])
         tracker.log_params({"metric": metric, "rows": ",".join(str(r["strategy"]) for r in rows)})
@@ -106,14 +107,13 @@ def compare_task(
     summaries: list[dict[str, Any]],
     metric: str | None,
     out_dir: str,
-    tracking: TrackingConfig,
-    workspace: str,
-    run_name: str,
     data_dir: str | None = None,
+    *,
+    run: RunContext,
 ) -> list[dict[str, Any]]:
     """Prefect task: summarise, log and publish the comparison (a Markdown artifact)."""
     rows, chosen = summarise_comparison(names, summaries, metric)
     data = Path(data_dir) if data_dir else None
-    text = log_comparison(rows, chosen, Path(out_dir), tracking, Path(workspace), run_name, data)
+    text = log_comparison(rows, chosen, Path(out_dir), run=run, data_dir=data)
     create_markdown_artifact(text, key="strategy-comparison", description="Strategy comparison")
     return rows

@@ -20,7 +20,6 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common.io import fingerprint, flatten, sha256_file, source_hash, write_json_atomic
-from tasks.common.ray_runtime import RayConfig
 from training.finetune.config import FinetuneConfig
 from training.finetune.loop import FINETUNE_LOOP, FinetuneJob
 from training.finetune.outputs import EXPORT_DIR, RESULT_FILE
@@ -35,6 +34,7 @@ from training.registry.tracking import (
 )
 from training.runtime.launcher import fit
 from training.runtime.progress import ProgressSpec, artifact_key
+from training.runtime.run_context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -87,21 +87,20 @@ def finetune_run_id(cfg: FinetuneConfig, seed: int, data_dir: Path, model_dir: P
 
 def run_finetune(
     cfg: FinetuneConfig,
-    seed: int,
     data_dir: Path,
     model_dir: Path,
     root: Path,
-    ray_cfg: RayConfig,
     *,
-    tracking_uri: str | None = None,
+    run: RunContext,
     mlflow_run_id: str | None = None,
     progress: ProgressSpec | None = None,
 ) -> FinetuneRun:
     """Fine-tune where `finetune.scale.launcher` says (or reuse the finished run of this identity).
 
-    `progress`: how this process shows the run's progress (None: not at all).
+    The run goes to `<root>/<run id>/`; `run` gives the seed, Ray and the tracking URI the worker
+    logs to. `progress`: how this process shows the run's progress (None: not at all).
     """
-    run_id = finetune_run_id(cfg, seed, data_dir, model_dir)
+    run_id = finetune_run_id(cfg, run.seed, data_dir, model_dir)
     run_dir = root / run_id
     if (run_dir / RESULT_FILE).is_file():
         log.info("fine-tuning run %s already finished: reused", run_id)
@@ -111,15 +110,15 @@ def run_finetune(
     run_dir.mkdir(parents=True)
     job = FinetuneJob(
         finetune=cfg,
-        seed=seed,
+        seed=run.seed,
         data_dir=data_dir.resolve(),
         model_dir=model_dir.resolve(),
         config_hash=run_id,
-        tracking_uri=tracking_uri,
+        tracking_uri=run.tracking_uri,
         mlflow_run_id=mlflow_run_id,
     )
     loop_config = job.model_dump(mode="json")
-    fit(FINETUNE_LOOP, loop_config, cfg.scale, run_dir, ray_cfg, progress)
+    fit(FINETUNE_LOOP, loop_config, cfg.scale, run_dir, run.ray, progress)
     if not (run_dir / RESULT_FILE).is_file():
         raise RuntimeError(f"{run_dir}: fine-tuning ended without {RESULT_FILE}")
     return FinetuneRun(run_dir, json.loads((run_dir / RESULT_FILE).read_text()))
@@ -127,13 +126,10 @@ def run_finetune(
 
 def finetune_stage(
     cfg: FinetuneConfig,
-    seed: int,
     data_dir: Path,
     model_dir: Path,
-    workspace: Path,
-    ray_cfg: RayConfig,
-    tracking: TrackingConfig,
-    run_name: str,
+    *,
+    run: RunContext,
     lineage: dict[str, str],
     progress: ProgressSpec | None = None,
 ) -> dict[str, Any]:
@@ -141,13 +137,11 @@ def finetune_stage(
 
     Args:
         cfg: The `finetune` section.
-        seed: Seed of the new head, the data order and dropout.
         data_dir: A prepared downstream task (`tasks/downstream/downstream.py`).
         model_dir: The base model, a Hugging Face directory.
-        workspace: Holds `finetune/<run id>/`.
-        ray_cfg: Where Ray runs.
-        tracking: MLflow settings.
-        run_name: MLflow run name prefix and default registered-model prefix.
+        run: The run context: its workspace holds `finetune/<run id>/`; its seed seeds the new
+            head, the data order and dropout; its name prefixes the MLflow run's and the
+            registered model's names.
         lineage: Tags that trace the base model (e.g. `base_model_name`, `base_model_version`).
         progress: How this process shows the run's progress (None: not at all).
 
@@ -155,39 +149,31 @@ def finetune_stage(
         A summary: run directory, result (metrics, best epoch, trainable parameters, time),
         export directory, MLflow run id and registered version (when registered).
     """
-    root = (workspace / "finetune").resolve()
-    run_id = finetune_run_id(cfg, seed, data_dir, model_dir)
+    root = (run.workspace / "finetune").resolve()
+    run_id = finetune_run_id(cfg, run.seed, data_dir, model_dir)
     record_file = root / f"{run_id}.run.json"
     if record_file.is_file():
         return dict(json.loads(record_file.read_text())) | {"reused": True}
     log.info("fine-tuning run %s: %s", run_id, cfg.precision_choice())
-    uri = tracking.tracking_uri if tracking.enabled else None
+    uri = run.tracking_uri
     task = json.loads((data_dir / "manifest.json").read_text())
     tags = {"stage": "finetune", "finetune_run": run_id, "task_type": task["task_type"]}
-    name = f"{run_name}-finetune"
-    with tracked_run(tracking, workspace, name, tags | lineage, system_metrics=True) as tracker:
+    name, workspace = f"{run.name}-finetune", run.workspace
+    with tracked_run(run.tracking, workspace, name, tags | lineage, system_metrics=True) as tracker:
         mlflow_run = tracker.run_id
         tracker.log_params(
-            flatten({"finetune": cfg.model_dump(mode="json"), "seed": seed})
+            flatten({"finetune": cfg.model_dump(mode="json"), "seed": run.seed})
             | {"resolved_precision": cfg.precision, "requested_precision": cfg.requested_precision}
         )
         if mlflow_run is not None:  # hashing the base model's weights again costs seconds
             tracker.log_inputs(finetune_inputs(data_dir, model_dir))
-        run = run_finetune(
-            cfg,
-            seed,
-            data_dir,
-            model_dir,
-            root,
-            ray_cfg,
-            tracking_uri=uri,
-            mlflow_run_id=mlflow_run,
-            progress=progress,
+        done = run_finetune(
+            cfg, data_dir, model_dir, root, run=run, mlflow_run_id=mlflow_run, progress=progress
         )
-        summary = {"run_dir": str(run.run_dir), "export_dir": str(run.export_dir), **run.result}
+        summary = {"run_dir": str(done.run_dir), "export_dir": str(done.export_dir), **done.result}
         summary["mlflow_run_id"] = mlflow_run
         if uri is not None and mlflow_run is not None:
-            summary |= _publish(run, cfg, uri, mlflow_run, run_name, task, lineage)
+            summary |= _publish(done, cfg, uri, mlflow_run, run.name, task, lineage)
     write_json_atomic(record_file, summary)
     return summary | {"reused": False}
 
@@ -228,13 +214,10 @@ def _publish(
 @task(name="finetune", cache_policy=NO_CACHE)
 def finetune_task(
     cfg: FinetuneConfig,
-    seed: int,
     data_dir: str,
     model_dir: str,
-    workspace: str,
-    ray_cfg: RayConfig,
-    tracking: TrackingConfig,
-    run_name: str,
+    *,
+    run: RunContext,
     lineage: dict[str, str],
 ) -> dict[str, Any]:
     """Prefect task: `finetune_stage` on paths; publishes the report as a Markdown artifact.
@@ -244,24 +227,15 @@ def finetune_task(
     """
     logger = get_run_logger()
     logger.info("fine-tuning: %s", cfg.precision_choice())  # shown on the console
-    key = artifact_key(f"{run_name}-finetune-progress")
-    progress = ProgressSpec(progress_title(cfg, seed), logger, key)
+    key = artifact_key(f"{run.name}-finetune-progress")
+    progress = ProgressSpec(progress_title(cfg, run.seed), logger, key)
     summary = finetune_stage(
-        cfg,
-        seed,
-        Path(data_dir),
-        Path(model_dir),
-        Path(workspace),
-        ray_cfg,
-        tracking,
-        run_name,
-        lineage,
-        progress,
+        cfg, Path(data_dir), Path(model_dir), run=run, lineage=lineage, progress=progress
     )
     report = Path(summary["run_dir"]) / "report" / "report.md"
     if report.is_file():
         create_markdown_artifact(
-            report.read_text(), key=artifact_key(f"{run_name}-finetune"), description="Fine-tuning"
+            report.read_text(), key=artifact_key(f"{run.name}-finetune"), description="Fine-tuning"
         )
     return summary
 

@@ -18,7 +18,6 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common.io import code_version, flatten, write_json_atomic
-from tasks.common.ray_runtime import RayConfig
 from training.evaluate.plots import loss_curve_png, step_history
 from training.models.export import (
     DataRef,
@@ -43,17 +42,12 @@ from training.pretrain.loop import EVAL_EPOCH
 from training.pretrain.losses import export_loss
 from training.registry.model_ref import resolve_base_model
 from training.registry.registry import register_export
-from training.registry.tracking import (
-    MlflowTracker,
-    NullTracker,
-    TrackingConfig,
-    output_ref,
-    tracked_run,
-)
+from training.registry.tracking import MlflowTracker, NullTracker, output_ref, tracked_run
 from training.runtime import checkpoint as ckpt
 from training.runtime.faults import FaultPlan
 from training.runtime.launcher import TrainingRun, run_id_for, run_training, storage_root
 from training.runtime.progress import ProgressSpec, artifact_key
+from training.runtime.run_context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -173,14 +167,10 @@ def lineage_tags(meta: dict[str, Any], examples_dir: Path, tokenizer_dir: Path) 
 
 def pretrain_stage(
     cfg: TrainConfig,
-    seed: int,
     examples_dir: Path,
     tokenizer_dir: Path,
-    workspace: Path,
-    ray_cfg: RayConfig,
-    tracking: TrackingConfig,
-    run_name: str,
     *,
+    run: RunContext,
     resume: bool = False,
     stop_at_step: int | None = None,
     fault: FaultPlan | None = None,
@@ -194,12 +184,9 @@ def pretrain_stage(
     (training/runtime/faults.py; the reliability suite's). `progress`: how this process shows
     the training's progress (None: not at all).
     """
-    uri = tracking.tracking_uri if tracking.enabled else None
-    teacher_dir = None
-    if cfg.distillation is not None:
-        teacher_dir, _ = resolve_base_model(cfg.distillation.teacher, uri, workspace)
-    run_id = run_id_for(cfg, seed, examples_dir, tokenizer_dir, teacher_dir)
-    record_file = storage_root(cfg, workspace) / f"{run_id}.run.json"
+    teacher_dir = _teacher_dir(cfg, run)
+    run_id = run_id_for(cfg, run.seed, examples_dir, tokenizer_dir, teacher_dir)
+    record_file = storage_root(cfg, run.workspace) / f"{run_id}.run.json"
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     if record.get("registered") and not stop_at_step:
         return dict(record["summary"]) | {"reused": True}
@@ -211,25 +198,18 @@ def pretrain_stage(
         cfg.attention,
     )
     tags = {"stage": "pretrain", "train_run": run_id, "family": cfg.model.family}
+    name, resumed = f"{run.name}-pretrain", record.get("mlflow_run_id")
     with tracked_run(
-        tracking,
-        workspace,
-        f"{run_name}-pretrain",
-        tags,
-        run_id=record.get("mlflow_run_id"),
-        system_metrics=True,
+        run.tracking, run.workspace, name, tags, run_id=resumed, system_metrics=True
     ) as tracker:
         mlflow_run = tracker.run_id or record.get("mlflow_run_id")
         if not record:
             _log_start(tracker, cfg, examples_dir, tokenizer_dir)
-        run = run_training(
+        trained = run_training(
             cfg,
-            seed,
             examples_dir,
             tokenizer_dir,
-            workspace,
-            ray_cfg,
-            tracking_uri=uri,
+            run=run,
             mlflow_run_id=mlflow_run,
             resume=resume,
             stop_at_step=stop_at_step,
@@ -237,9 +217,9 @@ def pretrain_stage(
             teacher_dir=teacher_dir,
             progress=progress,
         )
-        summary = _summary(run) | {"mlflow_run_id": mlflow_run}
-        if run.finished:
-            summary |= _publish(run, cfg, uri, mlflow_run, run_name, examples_dir, tokenizer_dir)
+        summary = _summary(trained) | {"mlflow_run_id": mlflow_run}
+        if trained.finished:
+            summary |= _publish(trained, cfg, run, mlflow_run, examples_dir, tokenizer_dir)
         else:
             tracker.end_status = "KILLED"  # stopped early: resumed later into the same run
     registered = "model_version" in summary
@@ -276,26 +256,35 @@ def _summary(run: TrainingRun) -> dict[str, Any]:
     }
 
 
+def _teacher_dir(cfg: TrainConfig, run: RunContext) -> Path | None:
+    """The local teacher of a distillation run (downloaded when a registry version), else None."""
+    if cfg.distillation is None:
+        return None
+    teacher_dir, _ = resolve_base_model(cfg.distillation.teacher, run.tracking_uri, run.workspace)
+    return teacher_dir
+
+
 def _publish(
-    run: TrainingRun,
+    trained: TrainingRun,
     cfg: TrainConfig,
-    uri: str | None,
+    run: RunContext,
     mlflow_run: str | None,
-    run_name: str,
     examples_dir: Path,
     tokenizer_dir: Path,
 ) -> dict[str, Any]:
-    export_dir = run.run_dir.parent / f"{run.run_dir.name}.export"
-    export_checkpoint(run.checkpoint, export_dir)
+    export_dir = trained.run_dir.parent / f"{trained.run_dir.name}.export"
+    export_checkpoint(trained.checkpoint, export_dir)
     out: dict[str, Any] = {"export_dir": str(export_dir)}
+    uri = run.tracking_uri
     if uri is None or mlflow_run is None:
         return out
     tracker = MlflowTracker(uri, mlflow_run)
-    history = step_history(run.run_dir / "evals.jsonl")
+    run_dir = trained.run_dir
+    history = step_history(run_dir / "evals.jsonl")
     evals = [(step, float(row["eval_loss"])) for step, row in history.items()]
-    png = loss_curve_png(run.run_dir / "steps.jsonl", evals, run.run_dir / "loss_curve.png")
+    png = loss_curve_png(run_dir / "steps.jsonl", evals, run_dir / "loss_curve.png")
     tracker.log_artifact(png, "plots")
-    name = cfg.model_name or f"{run_name}-{cfg.model.family}"
+    name = cfg.model_name or f"{run.name}-{cfg.model.family}"
     ref = register_export(
         export_dir,
         cfg.model.family,
@@ -303,7 +292,7 @@ def _publish(
         mlflow_run,
         name,
         cfg.alias,
-        lineage_tags(run.meta, examples_dir, tokenizer_dir),
+        lineage_tags(trained.meta, examples_dir, tokenizer_dir),
     )
     return out | {"model_name": ref.name, "model_version": ref.version, "model_uri": ref.model_uri}
 
@@ -311,13 +300,10 @@ def _publish(
 @task(name="pretrain", cache_policy=NO_CACHE)
 def pretrain_task(
     cfg: TrainConfig,
-    seed: int,
     examples_dir: str,
     tokenizer_dir: str,
-    workspace: str,
-    ray_cfg: RayConfig,
-    tracking: TrackingConfig,
-    run_name: str,
+    *,
+    run: RunContext,
     resume: bool = False,
 ) -> dict[str, Any]:
     """Prefect task: `pretrain_stage` on paths (a finished, registered run is reused).
@@ -328,16 +314,7 @@ def pretrain_task(
     logger = get_run_logger()
     logger.info("pretraining: %s", cfg.precision_choice())  # shown on the console
     title = f"pretrain {cfg.model.family}-{cfg.model.size}"
-    progress = ProgressSpec(title, logger, artifact_key(f"{run_name}-pretrain-progress"))
+    progress = ProgressSpec(title, logger, artifact_key(f"{run.name}-pretrain-progress"))
     return pretrain_stage(
-        cfg,
-        seed,
-        Path(examples_dir),
-        Path(tokenizer_dir),
-        Path(workspace),
-        ray_cfg,
-        tracking,
-        run_name,
-        resume=resume,
-        progress=progress,
+        cfg, Path(examples_dir), Path(tokenizer_dir), run=run, resume=resume, progress=progress
     )

@@ -28,6 +28,7 @@ from training.runtime import checkpoint as ckpt
 from training.runtime.context import LocalContext, LoopEntry, in_process_rank, torch_backend
 from training.runtime.faults import FaultPlan
 from training.runtime.progress import ProgressSpec, driver_progress, in_process_progress
+from training.runtime.run_context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +84,10 @@ def storage_root(cfg: TrainConfig, workspace: Path) -> Path:
 
 def run_training(
     cfg: TrainConfig,
-    seed: int,
     examples_dir: Path,
     tokenizer_dir: Path,
-    workspace: Path,
-    ray_cfg: RayConfig,
     *,
-    tracking_uri: str | None,
+    run: RunContext,
     mlflow_run_id: str | None,
     resume: bool = False,
     stop_at_step: int | None = None,
@@ -99,15 +97,17 @@ def run_training(
 ) -> TrainingRun:
     """Train on Ray Train with DeepSpeed until `max_steps` (or `stop_at_step`).
 
-    `teacher_dir` is the resolved local teacher of a distillation run (`train.distillation`);
-    `progress` how this driver shows the run's progress (None: not at all).
+    `run` gives the seed, the workspace (unless `train.checkpoint.storage_path` is set), Ray and
+    the tracking URI the workers log to; `teacher_dir` is the resolved local teacher of a
+    distillation run (`train.distillation`); `progress` how this driver shows the run's progress
+    (None: not at all).
 
     Raises:
         RunStateError: the run stopped earlier and `resume` is False.
         RuntimeError: training failed after `scale.max_failures` restarts.
     """
-    run_id = run_id_for(cfg, seed, examples_dir, tokenizer_dir, teacher_dir)
-    root = storage_root(cfg, workspace)
+    run_id = run_id_for(cfg, run.seed, examples_dir, tokenizer_dir, teacher_dir)
+    root = storage_root(cfg, run.workspace)
     run_dir = root / run_id
     found = ckpt.find_resumable(run_dir, None, run_id) if run_dir.is_dir() else None
     if found is not None and found.meta["step"] >= cfg.max_steps:
@@ -123,17 +123,17 @@ def run_training(
     run_dir.mkdir(parents=True, exist_ok=True)
     job = WorkerJob(
         train=cfg,
-        seed=seed,
+        seed=run.seed,
         examples_dir=examples_dir.resolve(),
         tokenizer_dir=tokenizer_dir.resolve(),
         config_hash=run_id,
-        tracking_uri=tracking_uri,
+        tracking_uri=run.tracking_uri,
         run_id=mlflow_run_id,
         stop_at_step=stop_at_step,
         fault=fault,
         teacher_dir=teacher_dir.resolve() if teacher_dir is not None else None,
     )
-    _fit(job, root, run_id, ray_cfg, progress)
+    _fit(job, root, run_id, run.ray, progress)
     last = ckpt.find_resumable(run_dir, None, run_id)
     if last is None:
         raise RuntimeError(f"{run_dir}: training ended without a valid checkpoint")

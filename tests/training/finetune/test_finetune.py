@@ -23,6 +23,7 @@ from training.finetune.loop import FinetuneJob, run_finetune_worker
 from training.finetune.stage import finetune_stage, model_fingerprint, run_finetune
 from training.registry.tracking import TrackingConfig
 from training.runtime.context import LocalContext
+from training.runtime.run_context import RunContext
 
 REPO = Path(__file__).resolve().parents[3]
 # (task config, family, metric that must be reported): every task type on real data.
@@ -61,6 +62,14 @@ def finetune_cfg(**extra: Any) -> FinetuneConfig:
         "generation": {"max_new_tokens": 8},
     }
     return FinetuneConfig.model_validate(base | extra)
+
+
+def no_tracking(workspace: Path) -> RunContext:
+    """Seed 0, two workers on the session's Ray, no MLflow."""
+    ray_cfg = RayConfig(num_workers=2, num_cpus=4)
+    return RunContext(
+        workspace, seed=0, ray=ray_cfg, tracking=TrackingConfig(enabled=False), name="t"
+    )
 
 
 @pytest.mark.slow
@@ -108,27 +117,14 @@ def test_two_ddp_workers_on_ray_train_fine_tune_and_agree_on_early_stopping(
         scale={"num_workers": 2, "max_failures": 0},
         early_stopping={"patience": 1},
     )
-    run = run_finetune(
-        cfg,
-        0,
-        data,
-        tiny_base_models["bert"],
-        tmp_path / "runs",
-        RayConfig(num_workers=2, num_cpus=4),
-    )
+    ctx = no_tracking(tmp_path)
+    run = run_finetune(cfg, data, tiny_base_models["bert"], tmp_path / "runs", run=ctx)
     assert 1 <= run.result["epochs_run"] <= 3
     history = [json.loads(x) for x in (run.run_dir / "history.jsonl").read_text().splitlines()]
     assert len(history) == run.result["epochs_run"]  # rank 0 logged every epoch exactly once
     model = tf.AutoModelForSequenceClassification.from_pretrained(run.export_dir)
     assert model.config.num_labels == 2
-    again = run_finetune(
-        cfg,
-        0,
-        data,
-        tiny_base_models["bert"],
-        tmp_path / "runs",
-        RayConfig(num_workers=2, num_cpus=4),
-    )
+    again = run_finetune(cfg, data, tiny_base_models["bert"], tmp_path / "runs", run=ctx)
     assert again.run_dir == run.run_dir  # same inputs: the finished run is reused
     assert again.result == run.result
 
@@ -146,14 +142,8 @@ def test_deepspeed_progressive_unfreezing_on_ray_keeps_frozen_layers_until_their
         strategy={"name": "progressive_unfreezing"},
         early_stopping=None,
     )
-    run = run_finetune(
-        cfg,
-        0,
-        data,
-        tiny_base_models["bert"],
-        tmp_path / "runs",
-        RayConfig(num_workers=2, num_cpus=4),
-    )
+    ctx = no_tracking(tmp_path)
+    run = run_finetune(cfg, data, tiny_base_models["bert"], tmp_path / "runs", run=ctx)
     base = tf.BertModel.from_pretrained(tiny_base_models["bert"])
     tuned = tf.AutoModelForSequenceClassification.from_pretrained(run.export_dir).bert
     # Two epochs = head, then the top layer: everything below it is bit-identical.
@@ -188,16 +178,14 @@ def test_finetune_stage_logs_to_mlflow_and_registers_with_lineage(
     data = prepared("cola", shared_data, tmp_path / "data")
     tracking = TrackingConfig(tracking_uri=mlflow_uri, experiment="finetune-acceptance")
     lineage = {"base_model_name": "tiny-bert", "base_model_version": "7"}
+    ray_cfg = RayConfig(num_workers=2, num_cpus=4)
+    ctx = RunContext(tmp_path / "ws", seed=0, ray=ray_cfg, tracking=tracking, name="t")
     summary = finetune_stage(
         finetune_cfg(model_name="cola-tiny"),
-        0,
         data,
         tiny_base_models["bert"],
-        tmp_path / "ws",
-        RayConfig(num_workers=2, num_cpus=4),
-        tracking,
-        "t",
-        lineage,
+        run=ctx,
+        lineage=lineage,
     )
     client = MlflowClient(mlflow_uri)
     run = client.get_run(summary["mlflow_run_id"])

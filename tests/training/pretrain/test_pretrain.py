@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from training.pretrain.config import TrainConfig
 from training.pretrain.stage import pretrain_stage
 from training.registry.registry import download_model, resolve_version
 from training.registry.tracking import TrackingConfig
+from training.runtime.run_context import RunContext
 from training.runtime.telemetry import _PEAK_CACHE, measure_peak_flops
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -125,16 +127,9 @@ def test_zero3_run_exports_and_passes_the_reload_check(
 ) -> None:
     data = demo_data.examples("bert")
     cfg = train_config("bert", tmp_root / "runs-zero3", zero_stage=3, max_steps=4)
-    summary = pretrain_stage(
-        cfg,
-        0,
-        data["examples"],
-        data["tokenizer"],
-        tmp_root / "ws",
-        RayConfig(num_workers=2, num_cpus=4),
-        tracking(mlflow_uri),
-        "acc-zero3",
-    )
+    ray_cfg = RayConfig(num_workers=2, num_cpus=4)
+    ctx = RunContext(tmp_root / "ws", 0, ray_cfg, tracking(mlflow_uri), "acc-zero3")
+    summary = pretrain_stage(cfg, data["examples"], data["tokenizer"], run=ctx)
     export = Path(summary["export_dir"])
     assert (export / "model.safetensors").is_file()
     assert (export / "README.md").is_file()
@@ -215,11 +210,12 @@ def test_run_stopped_at_step_k_resumes_in_a_new_process_with_identical_losses(
     data = demo_data.examples("bert")
     extra = {"max_steps": 8, "checkpoint.every_steps": 4, "eval.every_steps": 8}
     ray_cfg = RayConfig(num_workers=2, num_cpus=4)
-    args = (0, data["examples"], data["tokenizer"], tmp_root / "ws", ray_cfg)
+    args = (data["examples"], data["tokenizer"])
     off = TrackingConfig(enabled=False)
-    whole = pretrain_stage(train_config("bert", tmp_root / "whole", **extra), *args, off, "w")
+    ctx = RunContext(tmp_root / "ws", seed=0, ray=ray_cfg, tracking=off, name="w")
+    whole = pretrain_stage(train_config("bert", tmp_root / "whole", **extra), *args, run=ctx)
     cfg = train_config("bert", tmp_root / "stopped", **extra)
-    stopped = pretrain_stage(cfg, *args, off, "s", stop_at_step=4)
+    stopped = pretrain_stage(cfg, *args, run=replace(ctx, name="s"), stop_at_step=4)
     assert stopped["step"] == 4
     assert not stopped["finished"]
     script = (
@@ -227,9 +223,11 @@ def test_run_stopped_at_step_k_resumes_in_a_new_process_with_identical_losses(
         "from training.pretrain.stage import pretrain_stage; from tasks.common.ray_runtime import "
         "RayConfig; "
         "from training.registry.tracking import TrackingConfig; "
+        "from training.runtime.run_context import RunContext; "
         "cfg = TrainConfig.model_validate_json(sys.argv[1]); "
-        "s = pretrain_stage(cfg, 0, Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), "
-        "RayConfig(address=sys.argv[5]), TrackingConfig(enabled=False), 's', resume=True); "
+        "ctx = RunContext(Path(sys.argv[4]), 0, RayConfig(address=sys.argv[5]), "
+        "TrackingConfig(enabled=False), 's'); "
+        "s = pretrain_stage(cfg, Path(sys.argv[2]), Path(sys.argv[3]), run=ctx, resume=True); "
         "print(s['step'])"
     )
     proc = subprocess.run(

@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 from prefect.logging import disable_run_logger
 
+from tasks.common.ray_runtime import RayConfig
 from training.registry.tracking import DatasetRef, TrackingConfig, output_ref, tracked_run
+from training.runtime.run_context import RunContext
 
 pytestmark = pytest.mark.slow  # MLflow
 
@@ -23,6 +25,11 @@ pytestmark = pytest.mark.slow  # MLflow
 def tracking(mlflow_uri: str, request: pytest.FixtureRequest, **extra: Any) -> TrackingConfig:
     """A tracking section on the session store, in an experiment of this test's own."""
     return TrackingConfig(tracking_uri=mlflow_uri, experiment=f"t-{request.node.name}", **extra)
+
+
+def context(cfg: TrackingConfig, workspace: Path, name: str) -> RunContext:
+    """A run context of seed 0 on a local Ray, tracked with `cfg`."""
+    return RunContext(workspace, seed=0, ray=RayConfig(), tracking=cfg, name=name)
 
 
 def only_run(mlflow_uri: str, cfg: TrackingConfig) -> Any:
@@ -133,7 +140,9 @@ def test_a_comparison_run_that_raises_ends_failed(
     row = {"strategy": "lora", "mean": 0.5, "std": 0.1, "trainable_parameters": 8}
     cfg = tracking(mlflow_uri, request)
     with pytest.raises(OSError, match="gone"):
-        compare.log_comparison([row | {"train_time_s": 1.0}], "mcc", tmp_path, cfg, tmp_path, "c")
+        compare.log_comparison(
+            [row | {"train_time_s": 1.0}], "mcc", tmp_path, run=context(cfg, tmp_path, "c")
+        )
     run = only_run(mlflow_uri, cfg)
     assert (run.info.status, run.info.run_name) == ("FAILED", "c-compare")
     assert run.data.metrics["lora_mcc_mean"] == 0.5
@@ -155,7 +164,7 @@ def test_an_evaluation_run_that_raises_ends_failed(
     monkeypatch.setattr(stage, "evaluate_model", lambda *a, **k: dict(bad))
     cfg = tracking(mlflow_uri, request)
     with disable_run_logger(), pytest.raises(ValueError, match="not a number"):
-        stage.evaluate_task.fn(str(model), EvaluateConfig(), cfg, str(tmp_path), "e")
+        stage.evaluate_task.fn(str(model), EvaluateConfig(), run=context(cfg, tmp_path, "e"))
     run = only_run(mlflow_uri, cfg)
     assert (run.info.status, run.info.run_name) == ("FAILED", "e-evaluate")
     (model_input,) = run.inputs.dataset_inputs

@@ -23,8 +23,10 @@ from training.finetune.config import FinetuneConfig
 from training.finetune.stage import finetune_run_id, run_finetune
 from training.models.export import gather_state_dict
 from training.pretrain.config import ScaleConfig, TrainConfig
+from training.registry.tracking import TrackingConfig
 from training.runtime import launcher
 from training.runtime.launcher import resolve_launcher, run_training
+from training.runtime.run_context import RunContext
 
 REPO = Path(__file__).resolve().parents[3]
 NO_CLUSTER = RayConfig(num_workers=2, num_cpus=4)
@@ -124,10 +126,13 @@ def test_one_worker_fine_tunes_in_process_as_on_ray_train_without_starting_it(
     on_ray, here = cfg("ray"), cfg("in_process")
     model = tiny_base_models["bert"]
     assert finetune_run_id(on_ray, 0, data, model) == finetune_run_id(here, 0, data, model)
-    ray_run = run_finetune(on_ray, 0, data, model, tmp_path / "ray", NO_CLUSTER)
+    ctx = RunContext(
+        tmp_path, seed=0, ray=NO_CLUSTER, tracking=TrackingConfig(enabled=False), name="t"
+    )
+    ray_run = run_finetune(on_ray, data, model, tmp_path / "ray", run=ctx)
     monkeypatch.setattr(launcher, "fit_on_ray", no_ray_train)
     threads = torch.get_num_threads()
-    local_run = run_finetune(here, 0, data, model, tmp_path / "local", NO_CLUSTER)
+    local_run = run_finetune(here, data, model, tmp_path / "local", run=ctx)
     assert torch.get_num_threads() == threads  # the worker's thread count did not leak
     # The same loop on the same data and seed: the same metrics and weights up to float
     # rounding. Bit-identity is not asked for: the driver's torch state (kernels chosen and
@@ -172,14 +177,13 @@ def test_in_process_pretraining_stops_and_resumes_to_the_same_losses_and_weights
         )
 
     def train(storage: str, **kwargs: Any) -> launcher.TrainingRun:
+        off = TrackingConfig(enabled=False)
+        ctx = RunContext(tmp_path / "ws", seed=0, ray=NO_CLUSTER, tracking=off, name="t")
         return run_training(
             cfg(storage),
-            0,
             data["examples"],
             data["tokenizer"],
-            tmp_path / "ws",
-            NO_CLUSTER,
-            tracking_uri=None,
+            run=ctx,
             mlflow_run_id=None,
             **kwargs,
         )

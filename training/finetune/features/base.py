@@ -249,6 +249,18 @@ def int_rows(rows: Sequence[Sequence[int]], keep: np.ndarray) -> list[np.ndarray
     return [np.asarray(row, dtype=np.int64) for row, k in zip(rows, keep, strict=True) if k]
 
 
+def kept_features(
+    windows: Windows, keep: np.ndarray, num_examples: int, extra: dict[str, Column]
+) -> Features:
+    """Build the `Features` of the kept windows: their token rows, then the `extra` inputs.
+
+    The counts of windowed and truncated examples come from `window_counts`.
+    """
+    inputs: dict[str, Column] = {key: int_rows(rows, keep) for key, rows in windows.rows.items()}
+    windowed, truncated = window_counts(windows.sample, keep, num_examples)
+    return Features(inputs | extra, windows.sample[keep], num_examples, windowed, truncated)
+
+
 def example_ids(table: pa.Table) -> list[str]:
     """The `example_id` column (for messages)."""
     require_columns(table, EXAMPLE_ID)

@@ -43,10 +43,10 @@ from training.finetune.features.base import (
     encode_windows,
     example_ids,
     int_rows,
+    kept_features,
     log_windows,
     pad_id,
     strings,
-    window_counts,
 )
 from training.finetune.features.qa import (
     AnswerConfig,
@@ -162,12 +162,7 @@ def featurize_classification(
     labels = labels.astype(np.float32 if labels.dtype.kind == "f" else np.int64)
     _check_labels(labels, ids, num_labels)
     keep = apply_policy(windows, ids, cfg)
-    windowed, truncated = window_counts(windows.sample, keep, len(ids))
-    inputs: dict[str, list[np.ndarray] | np.ndarray] = {
-        key: int_rows(rows, keep) for key, rows in windows.rows.items()
-    }
-    inputs["labels"] = labels[windows.sample[keep]]
-    features = Features(inputs, windows.sample[keep], len(ids), windowed, truncated)
+    features = kept_features(windows, keep, len(ids), {"labels": labels[windows.sample[keep]]})
     log_windows("classification", features)
     return features
 

@@ -12,7 +12,7 @@ score wins by more than `null_threshold`). Not here: the SQuAD metric
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tasks.common.schema import ANSWER_STARTS, ANSWER_TEXTS, CONTEXT, QUESTION, require_columns
 from training.finetune.features.base import (
+    Column,
     FeatureConfig,
     FeatureError,
     Features,
@@ -29,10 +30,9 @@ from training.finetune.features.base import (
     check_window_room,
     encode_windows,
     example_ids,
-    int_rows,
+    kept_features,
     log_windows,
     strings,
-    window_counts,
 )
 
 
@@ -141,18 +141,12 @@ def featurize_question_answering(
         nulls.append(null)
         starts.append(start)
         ends.append(end)
-    inputs: dict[str, list[np.ndarray] | np.ndarray] = {
-        key: int_rows(rows, keep) for key, rows in windows.rows.items()
+    positions: dict[str, Column] = {
+        "start_positions": np.asarray(starts, dtype=np.int64),
+        "end_positions": np.asarray(ends, dtype=np.int64),
     }
-    inputs["start_positions"] = np.asarray(starts, dtype=np.int64)
-    inputs["end_positions"] = np.asarray(ends, dtype=np.int64)
-    windowed, truncated = window_counts(windows.sample, keep, len(ids))
-    features = Features(
-        inputs,
-        windows.sample[keep],
-        len(ids),
-        windowed,
-        truncated,
+    features = replace(
+        kept_features(windows, keep, len(ids), positions),
         offsets=offsets,
         null_index=np.asarray(nulls, dtype=np.int64),
     )

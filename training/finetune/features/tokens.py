@@ -12,6 +12,7 @@ to one tag string per word, for seqeval). Not here: the metrics
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -26,9 +27,8 @@ from training.finetune.features.base import (
     apply_policy,
     encode_windows,
     example_ids,
-    int_rows,
+    kept_features,
     log_windows,
-    window_counts,
 )
 
 
@@ -129,17 +129,8 @@ def featurize_token_classification(
         gold = np.asarray(tags[windows.sample[w]], dtype=np.int64)
         labels.append(_labels(word, first, gold, inside, cfg.label_all_tokens))
         word_index.append(np.where(first, word, -1))
-    inputs: dict[str, list[np.ndarray] | np.ndarray] = {
-        key: int_rows(rows, keep) for key, rows in windows.rows.items()
-    }
-    inputs["labels"] = labels
-    windowed, truncated = window_counts(windows.sample, keep, len(ids))
-    features = Features(
-        inputs,
-        windows.sample[keep],
-        len(ids),
-        windowed,
-        truncated,
+    features = replace(
+        kept_features(windows, keep, len(ids), {"labels": labels}),
         word_index=word_index,
         num_words=np.asarray([len(w) for w in words], dtype=np.int64),
     )
