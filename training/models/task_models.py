@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import transformers as tf
@@ -24,19 +24,12 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
 )
 
+from tasks.downstream.config import TaskType
 from training.models.export import require_safetensors
 from training.models.models import FAMILIES, Family
 
 log = logging.getLogger(__name__)
 
-TaskType = Literal[
-    "classification",
-    "regression",
-    "token_classification",
-    "question_answering",
-    "seq2seq",
-    "causal_lm",
-]
 _HEADED: tuple[TaskType, ...] = (
     "classification",
     "regression",
