@@ -18,6 +18,7 @@ resumes from the parts already committed. Training retries its workers through R
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 from prefect import Task
@@ -36,6 +37,7 @@ from tasks.ingest.stage import ingest_task
 from tasks.tokenizer.stage import tokenizer_task
 
 Stages = dict[str, dict[str, Any]]
+Step = Callable[[RunConfig, Stages], Stages]
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -109,6 +111,30 @@ def examples_step(cfg: RunConfig, stages: Stages) -> Stages:
     workspace = str(cfg.workspace)
     state = task(cfg.examples, cfg.seed, cfg.ray, encode, tokenizer, workspace, return_state=True)
     return _tracked(cfg, stage_summary(state))
+
+
+#: The data stages in the order they run; a step that is off (decontaminate) returns `{}`.
+DATA_STEPS: dict[str, Step] = {
+    "ingest": ingest_step,
+    "decontaminate": decontaminate_step,
+    "tokenizer": tokenizer_step,
+    "encode": encode_step,
+    "examples": examples_step,
+}
+
+
+def run_data_steps(cfg: RunConfig, last: str) -> Stages:
+    """Run the data steps in order up to and including `last`; returns each stage's summary.
+
+    They run as tasks of the calling flow, not as nested flows: a flow run costs its own
+    parameter schema, API round trips and engine start, which a cache-hit rerun would pay once
+    per upstream stage.
+    """
+    names = list(DATA_STEPS)
+    stages: Stages = {}
+    for name in names[: names.index(last) + 1]:
+        stages |= DATA_STEPS[name](cfg, stages)
+    return stages
 
 
 def pretrain_step(cfg: RunConfig, stages: Stages, resume: bool = False) -> Stages:
