@@ -25,7 +25,7 @@ from prefect import Task
 from prefect.tasks import exponential_backoff
 
 from pipelines.config import ConfigError, RunConfig
-from pipelines.flows.stage_tracking import record_stage_task, track_stage_task
+from pipelines.flows.stage_tracking import record_stage_task, recorded_run, track_stage_task
 from pipelines.flows.summary import publish_stage
 from tasks.common.caching import in_workspace, stage_summary
 from tasks.common.io import public_dump
@@ -64,8 +64,13 @@ def corpus_path(stages: Stages) -> str:
 
 
 def _tracked(cfg: RunConfig, result: dict[str, Any]) -> Stages:
-    """Log a data stage's result to MLflow, publish its summary; return `{stage: summary}`."""
-    summary = result | {"mlflow_run_id": retrying(track_stage_task, cfg)(result, cfg)}
+    """Log a data stage's result to MLflow, publish its summary; return `{stage: summary}`.
+
+    A cache hit whose output has a recorded MLflow run names that run and logs none
+    (`recorded_run`).
+    """
+    run_id = recorded_run(cfg, result) or retrying(track_stage_task, cfg)(result, cfg)
+    summary = result | {"mlflow_run_id": run_id}
     publish_stage(cfg, result["stage"], summary)
     return {result["stage"]: summary}
 
