@@ -1,4 +1,7 @@
-"""The `encode` flow: ingest, decontaminate and tokenizer (reused when done) → token shards."""
+"""The `encode` flow: ingest, decontaminate and tokenizer (reused when done) → token shards.
+
+Every stage is a task of this one flow run (`run_data_steps`).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,7 @@ import sys
 from prefect import flow
 
 from pipelines.config import RunConfig, load_config
-from pipelines.flows.steps import Stages, encode_step
-from pipelines.flows.tokenizer_flow import tokenizer_flow
+from pipelines.flows.steps import Stages, run_data_steps
 from pipelines.ops.runtime import resolve_environment
 
 
@@ -19,8 +21,7 @@ def encode_flow(cfg: RunConfig) -> Stages:
     The corpus is the one the tokenizer trained on (decontaminated when that is enabled).
     """
     cfg = resolve_environment(cfg)
-    stages = tokenizer_flow(cfg)
-    return stages | encode_step(cfg, stages)
+    return run_data_steps(cfg, "encode")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""The `examples` flow: the stages up to encoding (reused when done) → pretraining examples."""
+"""The `examples` flow: the stages up to encoding (reused when done) → pretraining examples.
+
+Every stage is a task of this one flow run (`run_data_steps`).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,7 @@ import sys
 from prefect import flow
 
 from pipelines.config import RunConfig, load_config
-from pipelines.flows.encode_flow import encode_flow
-from pipelines.flows.steps import Stages, examples_step
+from pipelines.flows.steps import Stages, run_data_steps
 from pipelines.ops.runtime import resolve_environment
 
 
@@ -16,8 +18,7 @@ from pipelines.ops.runtime import resolve_environment
 def examples_flow(cfg: RunConfig) -> Stages:
     """Run the upstream stages, then cut the examples; returns each stage's summary."""
     cfg = resolve_environment(cfg)
-    stages = encode_flow(cfg)
-    return stages | examples_step(cfg, stages)
+    return run_data_steps(cfg, "examples")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import sys
 from prefect import flow
 
 from pipelines.config import RunConfig, load_config
-from pipelines.flows.steps import Stages, ingest_step
+from pipelines.flows.steps import Stages, run_data_steps
 from pipelines.ops.runtime import resolve_environment
 
 
@@ -15,7 +15,7 @@ from pipelines.ops.runtime import resolve_environment
 def ingest_flow(cfg: RunConfig) -> Stages:
     """Ingest the corpus into fingerprinted Arrow shards; returns `{"ingest": summary}`."""
     cfg = resolve_environment(cfg)
-    return ingest_step(cfg, {})
+    return run_data_steps(cfg, "ingest")
 
 
 if __name__ == "__main__":

@@ -16,20 +16,14 @@ from pipelines.config import ConfigError, RunConfig, load_config
 from pipelines.flows.stage_tracking import pipeline_run, record_pipeline
 from pipelines.flows.steps import (
     Stages,
-    decontaminate_step,
     downstream_step,
-    encode_step,
     evaluate_step,
-    examples_step,
     finetune_step,
-    ingest_step,
     pretrain_step,
-    tokenizer_step,
+    run_data_steps,
 )
 from pipelines.flows.summary import publish_pipeline
 from pipelines.ops.runtime import resolve_environment
-
-DATA_STEPS = (ingest_step, decontaminate_step, tokenizer_step, encode_step, examples_step)
 
 
 @flow(name="pipeline")
@@ -46,8 +40,7 @@ def pipeline_flow(cfg: RunConfig = RunConfig()) -> Stages:  # noqa: B008 (the UI
     with pipeline_run(cfg) as cfg:
         stages: Stages = {}
         if cfg.ingest is not None:
-            for step in DATA_STEPS:
-                stages |= step(cfg, stages)
+            stages |= run_data_steps(cfg, "examples")
             stages |= pretrain_step(cfg, stages)
         if cfg.task is not None:
             stages |= downstream_step(cfg, stages)

@@ -3,11 +3,20 @@
 Each data stage's run lists the outputs it read as MLflow dataset inputs (`stage_inputs`): the
 upstream stages named in its manifest, or, for ingestion and a downstream task, its source
 files. Every run here is opened and ended by `training.registry.tracking.tracked_run`.
+
+MLflow holds the runs that did work. A data stage's run is recorded in the workspace
+(`<workspace>/mlflow-runs/`, one small JSON file per output, store and experiment); a cache
+hit of a stage command names that run (`recorded_run`) and logs no new one, so an all-cache-hit
+rerun neither imports MLflow nor calls it. Under the `pipeline` flow's parent run, and when no
+run of the output is recorded for this store, a cache hit still logs a complete run, tagged
+`lmpipe.reused=true`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +32,10 @@ from pipelines.config import RunConfig
 from tasks.common.io import atomic_writer, fingerprint, public_dump
 from training.registry.tracking import DatasetRef, MlflowTracker, tracked_run
 
+log = logging.getLogger(__name__)
 _MAX_FILE_INPUTS = 64  # corpus files listed one by one; more are grouped by source
+#: Where a workspace records the MLflow run of each data stage output (`run_record`).
+RUNS_DIR = "mlflow-runs"
 
 
 @task(name="track-stage", cache_policy=NO_CACHE)
@@ -31,11 +43,12 @@ def track_stage_task(result: dict[str, Any], cfg: RunConfig) -> str | None:
     """Log a finished stage to MLflow: params, metrics, manifest, config and its artifacts.
 
     The params are the stage's config section; the metrics and the files logged as artifacts
-    are those the manifest lists (`metrics`, `artifacts`). A reused output (a cache hit) gets
-    a complete run too, tagged `lmpipe.reused=true`, so the newest run of a stage always holds
-    its files and its inputs (`stage_inputs`). Nothing in the output directory is rewritten
-    when it is reused, so every file keeps its modification time. Returns the MLflow run id
-    (None when tracking is off).
+    are those the manifest lists (`metrics`, `artifacts`). A reused output (a cache hit) that
+    gets here (`recorded_run` names none) gets a complete run too, tagged
+    `lmpipe.reused=true`, holding its files and its inputs (`stage_inputs`). The run is
+    recorded as the output's (`run_record`) when the stage built the output or none was
+    recorded. Nothing in the output directory is rewritten when it is reused, so every file
+    keeps its modification time. Returns the MLflow run id (None when tracking is off).
     """
     out = Path(result["path"])
     stage = result["stage"]
@@ -63,7 +76,51 @@ def track_stage_task(result: dict[str, Any], cfg: RunConfig) -> str | None:
         for name in manifest.get("artifacts", []):
             tracker.log_artifact(out / name, stage)
         get_run_logger().info("MLflow run %s", tracker.run_id)
-        return tracker.run_id
+    record = run_record(cfg, result)
+    if tracker.run_id is not None and (not result["reused"] or _read_run(record, result) is None):
+        run = {k: result[k] for k in ("stage", "fingerprint", "path")}
+        with atomic_writer(record, "w") as handle:
+            json.dump(run | {"run_id": tracker.run_id}, handle)
+    return tracker.run_id
+
+
+def run_record(cfg: RunConfig, result: dict[str, Any]) -> Path:
+    """The file that names the MLflow run of a data stage's output, in this store and experiment.
+
+    `<workspace>/mlflow-runs/<stage>-<fingerprint>-<digest>.json`; the digest is over the
+    tracking URI, the experiment and the output's path, so another store (the temporary
+    SQLite one, a server) or experiment has its own record. The URI itself, which may carry a
+    password, is not written.
+    """
+    where = "\n".join([str(cfg.tracking.tracking_uri), cfg.tracking.experiment, result["path"]])
+    digest = hashlib.sha256(where.encode()).hexdigest()[:12]
+    name = f"{result['stage']}-{result['fingerprint']}-{digest}.json"
+    return Path(cfg.workspace) / RUNS_DIR / name
+
+
+def recorded_run(cfg: RunConfig, result: dict[str, Any]) -> str | None:
+    """The MLflow run a data stage's cache hit names instead of logging one, if recorded.
+
+    None (log a run: `track_stage_task`) unless the stage reused its output, tracking is on,
+    no parent run nests the stage runs (the `pipeline` flow lists every stage under its own),
+    and `run_record` names a run of this output's fingerprint.
+    """
+    if not result["reused"] or not cfg.tracking.enabled or cfg.tracking.parent_run_id:
+        return None
+    run_id = _read_run(run_record(cfg, result), result)
+    if run_id is not None:
+        log.info("%s: cache hit; its MLflow run is %s", result["stage"], run_id)
+    return run_id
+
+
+def _read_run(record: Path, result: dict[str, Any]) -> str | None:
+    """The run id `record` holds for `result`'s output; None when none is (or it is unreadable)."""
+    try:
+        run = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    same = isinstance(run, dict) and run.get("fingerprint") == result["fingerprint"]
+    return str(run["run_id"]) if same and run.get("run_id") else None
 
 
 @task(name="record-stage", cache_policy=NO_CACHE)

@@ -18,13 +18,14 @@ resumes from the parts already committed. Training retries its workers through R
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 from prefect import Task
 from prefect.tasks import exponential_backoff
 
 from pipelines.config import ConfigError, RunConfig
-from pipelines.flows.stage_tracking import record_stage_task, track_stage_task
+from pipelines.flows.stage_tracking import record_stage_task, recorded_run, track_stage_task
 from pipelines.flows.summary import publish_stage
 from tasks.common.caching import in_workspace, stage_summary
 from tasks.common.io import public_dump
@@ -37,6 +38,7 @@ from tasks.tokenizer.stage import tokenizer_task
 from training.runtime.run_context import RunContext
 
 Stages = dict[str, dict[str, Any]]
+Step = Callable[[RunConfig, Stages], Stages]
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -70,8 +72,13 @@ def corpus_path(stages: Stages) -> str:
 
 
 def _tracked(cfg: RunConfig, result: dict[str, Any]) -> Stages:
-    """Log a data stage's result to MLflow, publish its summary; return `{stage: summary}`."""
-    summary = result | {"mlflow_run_id": retrying(track_stage_task, cfg)(result, cfg)}
+    """Log a data stage's result to MLflow, publish its summary; return `{stage: summary}`.
+
+    A cache hit whose output has a recorded MLflow run names that run and logs none
+    (`recorded_run`).
+    """
+    run_id = recorded_run(cfg, result) or retrying(track_stage_task, cfg)(result, cfg)
+    summary = result | {"mlflow_run_id": run_id}
     publish_stage(cfg, result["stage"], summary)
     return {result["stage"]: summary}
 
@@ -117,6 +124,30 @@ def examples_step(cfg: RunConfig, stages: Stages) -> Stages:
     workspace = str(cfg.workspace)
     state = task(cfg.examples, cfg.seed, cfg.ray, encode, tokenizer, workspace, return_state=True)
     return _tracked(cfg, stage_summary(state))
+
+
+#: The data stages in the order they run; a step that is off (decontaminate) returns `{}`.
+DATA_STEPS: dict[str, Step] = {
+    "ingest": ingest_step,
+    "decontaminate": decontaminate_step,
+    "tokenizer": tokenizer_step,
+    "encode": encode_step,
+    "examples": examples_step,
+}
+
+
+def run_data_steps(cfg: RunConfig, last: str) -> Stages:
+    """Run the data steps in order up to and including `last`; returns each stage's summary.
+
+    They run as tasks of the calling flow, not as nested flows: a flow run costs its own
+    parameter schema, API round trips and engine start, which a cache-hit rerun would pay once
+    per upstream stage.
+    """
+    names = list(DATA_STEPS)
+    stages: Stages = {}
+    for name in names[: names.index(last) + 1]:
+        stages |= DATA_STEPS[name](cfg, stages)
+    return stages
 
 
 def pretrain_step(cfg: RunConfig, stages: Stages, resume: bool = False) -> Stages:

@@ -1,7 +1,8 @@
 """The `tokenizer` flow: ingest and decontaminate (reused when done) → train or load the tokenizer.
 
 Decontamination (`decontaminate.enabled`) runs between ingestion and the tokenizer; its output
-is an ingest-format corpus, and `corpus_path` picks the corpus every later stage reads.
+is an ingest-format corpus, and `corpus_path` picks the corpus every later stage reads. Every
+stage is a task of this one flow run (`run_data_steps`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import sys
 from prefect import flow
 
 from pipelines.config import RunConfig, load_config
-from pipelines.flows.ingest_flow import ingest_flow
-from pipelines.flows.steps import Stages, corpus_path, decontaminate_step, tokenizer_step
+from pipelines.flows.steps import Stages, corpus_path, run_data_steps
 from pipelines.ops.runtime import resolve_environment
 
 __all__ = ["corpus_path", "tokenizer_flow"]
@@ -25,9 +25,7 @@ def tokenizer_flow(cfg: RunConfig) -> Stages:
     Returns each stage's summary by name; `decontaminate` is there only when it is enabled.
     """
     cfg = resolve_environment(cfg)
-    stages = ingest_flow(cfg)
-    stages |= decontaminate_step(cfg, stages)
-    return stages | tokenizer_step(cfg, stages)
+    return run_data_steps(cfg, "tokenizer")
 
 
 if __name__ == "__main__":
