@@ -95,7 +95,7 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     return {
         "model_states": ds / "mp_rank_00_model_states.pt",
         "optim_shard": sorted(ds.glob("*optim_states.pt"))[-1],
-        "rng": path / ckpt.rng_file(1),
+        "rng": path / ckpt.rng_file(0),  # the one worker's
         "meta": path / ckpt.META,
     }
 
