@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline_rerun import isolated_env  # bench/, the script's folder, is on sys.path
+
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("ingest", "tokenizer", "encode", "examples")
 
@@ -110,15 +112,7 @@ def main() -> int:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     cfg = recipe(work)
-    env = os.environ | {
-        "PREFECT_HOME": str(work / ".prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "RAY_AUTH_MODE": "token",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "HF_HUB_OFFLINE": "1",
-    }
-    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
-        env.pop(key, None)
+    env = isolated_env(work)
     build_s, _ = lmpipe(args.root, ["examples", str(cfg)], env)
     temporary = timed(args.root, cfg, env, args.runs)
     _, said = lmpipe(args.root, ["up", str(cfg)], env)

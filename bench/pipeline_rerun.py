@@ -29,8 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 LMPIPE = Path(sys.executable).parent / "lmpipe"
 
 
-def run_pipeline(work: Path, overrides: list[str]) -> float:
-    """Run `lmpipe run` on the demo recipe in a new process; return its wall time (s)."""
+def isolated_env(work: Path) -> dict[str, str]:
+    """The environment of an `lmpipe` run under `work`, isolated from outside services.
+
+    Its own Prefect home and temporary API, local Ray and MLflow, no telemetry.
+    """
     env = os.environ | {
         "PREFECT_HOME": str(work / ".prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -38,7 +41,14 @@ def run_pipeline(work: Path, overrides: list[str]) -> float:
         "RAY_USAGE_STATS_ENABLED": "0",
         "HF_HUB_OFFLINE": "1",
     }
-    env.pop("PREFECT_API_URL", None)
+    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS"):
+        env.pop(key, None)
+    return env
+
+
+def run_pipeline(work: Path, overrides: list[str]) -> float:
+    """Run `lmpipe run` on the demo recipe in a new process; return its wall time (s)."""
+    env = isolated_env(work)
     command = [
         str(LMPIPE),
         "run",
