@@ -41,7 +41,7 @@ from training.pretrain.data import (
 from training.pretrain.loop import EVAL_EPOCH
 from training.pretrain.losses import export_loss
 from training.registry.model_ref import resolve_base_model
-from training.registry.registry import register_export
+from training.registry.registry import Registration, register_export
 from training.registry.tracking import MlflowTracker, NullTracker, output_ref, tracked_run
 from training.runtime import checkpoint as ckpt
 from training.runtime.launcher import (
@@ -285,14 +285,9 @@ def _publish(
     png = loss_curve_png(run_dir / "steps.jsonl", evals, run_dir / "loss_curve.png")
     tracker.log_artifact(png, "plots")
     name = cfg.model_name or f"{run.name}-{cfg.model.family}"
+    tags = lineage_tags(trained.meta, examples_dir, tokenizer_dir)
     ref = register_export(
-        export_dir,
-        cfg.model.family,
-        uri,
-        mlflow_run,
-        name,
-        cfg.alias,
-        lineage_tags(trained.meta, examples_dir, tokenizer_dir),
+        export_dir, cfg.model.family, uri, mlflow_run, Registration(name, cfg.alias, tags)
     )
     return out | {"model_name": ref.name, "model_version": ref.version, "model_uri": ref.model_uri}
 
