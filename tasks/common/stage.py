@@ -27,6 +27,7 @@ from tasks.common.io import (
     sha256_file,
     write_json_atomic,
 )
+from tasks.common.progress import Reporter
 from tasks.common.schema import SCHEMA_VERSION
 
 #: What a stage's completeness check returns for a complete output: its manifest.
@@ -49,6 +50,20 @@ class StageResult:
             "fingerprint": self.manifest["fingerprint"],
             "reused": self.reused,
         }
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How one call of a stage driver builds; neither option changes the output's fingerprint.
+
+    Attributes:
+        progress: Where the driver reports `(phase, done, total)`; None: nowhere.
+        rebuild: Build a complete output again, aside, and swap it in whole
+            (`StageOutput.build_aside`; a refreshed Prefect cache, `tasks.common.caching`).
+    """
+
+    progress: Reporter | None = None
+    rebuild: bool = False
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,10 @@ from tasks.common.io import (
     write_ipc_stream,
     write_json_atomic,
 )
-from tasks.common.progress import Reporter, make_reporter, ticker
+from tasks.common.progress import make_reporter, ticker
 from tasks.common.ray_runtime import RayConfig, run_units
 from tasks.common.stage import (
+    BuildOptions,
     StageOutput,
     StageResult,
     complete_sharded,
@@ -128,14 +129,15 @@ def run_examples(
     encode_dir: Path,
     tokenizer_dir: Path,
     workspace: Path,
-    progress: Reporter | None = None,
-    rebuild: bool = False,
+    build: BuildOptions | None = None,
 ) -> StageResult:
     """Cut the encoded train and validation splits into examples of `cfg.objective`, on Ray.
 
     A complete output with the same fingerprint (encoding, tokenizer, config, seed, code) is
-    reused as it is; with `rebuild` it is cut again aside and swapped in whole.
+    reused as it is; with `build.rebuild` it is cut again aside and swapped in whole.
+    `build.progress` hears of each shard cut; None is `BuildOptions()`.
     """
+    build = build or BuildOptions()
     started = time.monotonic()
     encode = read_upstream(encode_dir, "encode")
     tokenizer = read_upstream(tokenizer_dir, "tokenizer")
@@ -144,10 +146,10 @@ def run_examples(
         cfg.objective, tok_cfg, tokenizer["special_tokens"], encode["vocab_size"]
     )
     out = plan_examples(cfg, seed, encode_dir, tokenizer_dir, workspace)
-    done = out.reuse(complete_sharded, rebuild)
+    done = out.reuse(complete_sharded, build.rebuild)
     if done is not None:
         return StageResult(out.path, done, reused=True)
-    out = out.build_aside() if rebuild else out
+    out = out.build_aside() if build.rebuild else out
     used = [s for split in SPLITS for _, s in shards_of(encode, split)]
     verify_shards(encode_dir, used, "encode")
     staging = out.open_staging()
@@ -155,7 +157,7 @@ def run_examples(
     words, random_ids = vocabulary_lookups(cfg, tokenizer_dir, tok_cfg, specials)
     first = ShardContext(seed, 0, 0, specials, ids_type, words, random_ids)
     jobs, where, sizes = example_jobs(cfg, first, encode, encode_dir, out.path, staging)
-    tick = ticker(progress, "examples", len(jobs))
+    tick = ticker(build.progress, "examples", len(jobs))
     results = run_units(examples_shard, jobs, ray_cfg, on_done=tick, sizes=sizes)
     splits = split_entries(cfg, where, results)
     manifest = {
@@ -334,8 +336,7 @@ def examples_task(
         Path(encode_dir),
         Path(tokenizer_dir),
         Path(workspace),
-        make_reporter(logger),
-        rebuild=refresh_requested(),
+        BuildOptions(make_reporter(logger), rebuild=refresh_requested()),
     )
     logger.info(
         "examples %s (%s): %s, %s",

@@ -37,7 +37,7 @@ from tasks.ingest.dedup import (
     exact_keep_mask,
     near_keep_mask,
 )
-from tasks.ingest.ingest import SPLITS, IngestConfig, ShardJob
+from tasks.ingest.ingest import SPLITS, IngestConfig, ShardJob, assign_split
 from tasks.ingest.sources import WorkUnit
 
 
@@ -134,11 +134,14 @@ def shard_jobs(
     summaries: list[dict[str, Any]],
     keys: Keys,
     keep: np.ndarray,
-    split_of: np.ndarray,
     cfg: IngestConfig,
     generation: int,
 ) -> tuple[list[ShardJob], list[tuple[str, str]]]:
-    """Cut the kept documents, in key order, into shards of about `shard_size_mb` per split."""
+    """Cut the kept documents, in key order, into shards of about `shard_size_mb` per split.
+
+    A document's split follows from its content hash (`assign_split` under `cfg.split`).
+    """
+    split_of = assign_split(keys.hi, cfg.split)
     target = cfg.shard_size_mb * (1 << 20)
     line_base = line_bases(units, summaries)
     starts = np.concatenate([[0], np.cumsum(keys.sizes)]).astype(np.int64)

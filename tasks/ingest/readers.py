@@ -132,29 +132,22 @@ def read_unit(
         )
 
 
-def _emit_lines(
-    batch: RawBatch,
-    data: bytes,
-    pos: int,
-    eof: bool,
-    base: int,
-    line: int,
-    json_field: str | None,
-    limit: int,
-) -> tuple[int, int]:
+def _emit_lines(cur: _Cursor, batch: RawBatch, data: bytes, pos: int, eof: bool) -> tuple[int, int]:
     """Emit the complete lines of `data[pos:]`; return the position and line number after them.
 
+    `data` starts at `cur.base` and `data[pos]` is on line `cur.line`; `cur` is not changed.
     The same records as splitting at each newline match, in one `bytes.split` (a line ending the
     block stays for the next one, as with the general separators). For JSON Lines, a line that
-    orjson parses into an object holding a string at `json_field` is emitted at once: orjson
+    orjson parses into an object holding a string at `cur.json_field` is emitted at once: orjson
     refuses blank lines, NUL bytes, invalid UTF-8 and a byte-order mark, so such a line passes
     every check of `emit` too. Every other line goes through `emit_bounded`'s checks, which
     find its reason; the first line of a file always does (a byte-order mark is stripped there).
     """
+    line, json_field, limit = cur.line, cur.json_field, cur.limit
     last = data.rfind(b"\n", pos, len(data) if eof else len(data) - 1)
     if last < 0:
         return pos, line
-    offset = base + pos
+    offset = cur.base + pos
     fast = json_field is not None
     loads, decode_error = orjson.loads, orjson.JSONDecodeError
     for raw in data[pos:last].split(b"\n"):
@@ -276,7 +269,7 @@ def _split_records(cur: _Cursor, batch: RawBatch, data: bytes, pos: int, eof: bo
     """
     sep, base, line = cur.sep, cur.base, cur.line
     if sep is not None and sep.pattern == rb"\n":
-        pos, line = _emit_lines(batch, data, pos, eof, base, line, cur.json_field, cur.limit)
+        pos, line = _emit_lines(cur, batch, data, pos, eof)
     elif sep is not None:
         for match in sep.finditer(data, pos):
             if not eof and match.end() == len(data):

@@ -33,7 +33,6 @@ from tasks.common.stage import StageOutput, StageResult, files_complete, plan_ou
 from tasks.ingest.ingest import (
     IngestConfig,
     UnitJob,
-    assign_split,
     process_unit,
     write_shard,
 )
@@ -257,8 +256,7 @@ def _finish(
         prior = read_ipc_stream(safe_join(Path(base["path"]), base["dedup_index"]["name"]))
     dedup = dedup_documents(keys, cfg.dedup, prior)
     generation = (base["generation"] + 1) if base else 0
-    split_of = assign_split(keys.hi, cfg.split)
-    jobs, names = shard_jobs(out, units, summaries, keys, dedup.keep, split_of, cfg, generation)
+    jobs, names = shard_jobs(out, units, summaries, keys, dedup.keep, cfg, generation)
     tick = ticker(progress, "write", len(jobs))
     written = run_units(write_shard, jobs, ray_cfg, on_done=tick)
     return {

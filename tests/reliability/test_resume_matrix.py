@@ -26,7 +26,7 @@ from tasks.common.ray_runtime import RayConfig
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import Cursor, ExampleShards, GlobalOrder
 from training.registry.tracking import TrackingConfig
-from training.runtime.launcher import run_training
+from training.runtime.launcher import RunControl, run_training
 from training.runtime.run_context import RunContext
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
@@ -92,7 +92,7 @@ def test_resume_at_any_position_and_worker_count_misses_and_repeats_nothing(
         *args,
         run=ctx,
         mlflow_run_id=None,
-        stop_at_step=STOPS[stop],
+        control=RunControl(stop_at_step=STOPS[stop]),
     )
     assert first.meta["step"] == STOPS[stop]
     assert not first.finished
@@ -101,7 +101,7 @@ def test_resume_at_any_position_and_worker_count_misses_and_repeats_nothing(
         *args,
         run=ctx,
         mlflow_run_id=None,
-        resume=True,
+        control=RunControl(resume=True),
     )
     assert second.run_dir == first.run_dir, "another worker count must resume the same run"
     assert second.finished

@@ -280,7 +280,12 @@ def test_registry_model_with_pickle_weights_is_refused(
 ) -> None:
     from training.finetune.config import BaseModelRef
     from training.finetune.stage import resolve_base_model
-    from training.registry.registry import download_model, register_export, resolve_version
+    from training.registry.registry import (
+        Registration,
+        download_model,
+        register_export,
+        resolve_version,
+    )
 
     name, run_id = planted_registry
     ref = resolve_version(mlflow_uri, name, "candidate")
@@ -294,7 +299,7 @@ def test_registry_model_with_pickle_weights_is_refused(
     local = tiny_gpt2_dir(tmp_path / "local", safetensors=False)
     plant_torch(local / "pytorch_model.bin", marker)
     with pytest.raises(UnsafeWeightsError):
-        register_export(local, "gpt2", mlflow_uri, run_id, name, "x", {})
+        register_export(local, "gpt2", mlflow_uri, run_id, Registration(name, "x"))
     assert not marker.exists()
 
 

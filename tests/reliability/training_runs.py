@@ -12,7 +12,7 @@ from typing import Any
 from tasks.common.ray_runtime import RayConfig
 from training.pretrain.config import TrainConfig
 from training.registry.tracking import TrackingConfig
-from training.runtime.launcher import TrainingRun, run_training
+from training.runtime.launcher import RunControl, TrainingRun, run_training
 from training.runtime.run_context import RunContext
 
 
@@ -41,9 +41,12 @@ def tiny_bert_config(
 
 
 def train(cfg: TrainConfig, data: dict[str, Path], **kw: Any) -> TrainingRun:
-    """Run `cfg` on `data` (`examples`, `tokenizer`) without MLflow; `kw` go to run_training."""
+    """Run `cfg` on `data` (`examples`, `tokenizer`) without MLflow; `kw` are `RunControl`'s."""
     storage = cfg.checkpoint.storage_path
     assert storage is not None, "the reliability runs keep their checkpoints under tmp_path"
     ray_cfg, off = RayConfig(num_workers=2, num_cpus=4), TrackingConfig(enabled=False)
     ctx = RunContext(storage / "ws", seed=0, ray=ray_cfg, tracking=off, name="reliability")
-    return run_training(cfg, data["examples"], data["tokenizer"], run=ctx, mlflow_run_id=None, **kw)
+    control = RunControl(**kw)
+    return run_training(
+        cfg, data["examples"], data["tokenizer"], run=ctx, mlflow_run_id=None, control=control
+    )

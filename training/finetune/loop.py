@@ -24,7 +24,7 @@ from training.finetune.config import FinetuneConfig
 from training.finetune.data import TaskData, read_prepared
 from training.finetune.early_stopping import EarlyStopping
 from training.finetune.evaluation import Evaluator
-from training.finetune.outputs import run_result, write_outputs
+from training.finetune.outputs import confusion_entry, run_result, write_outputs
 from training.finetune.strategies import apply_strategy, head_prefixes_for
 from training.models.export import max_length
 from training.models.task_models import load_task_model
@@ -204,15 +204,8 @@ class FinetuneWorker:
         test = self.evaluator.evaluate(self.engine.module, "test", keep_predictions=True)
         preds = self.evaluator.predictions.get("test")
         result = run_result(
-            self.data,
-            history,
-            self.stopper,
-            test,
-            preds,
-            self.plan,
-            train_time,
-            self.cfg.random_init,
-        )
+            self.data, history, self.stopper, test, self.plan, train_time, self.cfg.random_init
+        ) | confusion_entry(self.data, preds)
         if self.ctx.rank == 0:
             write_outputs(self.ctx.run_dir, self.data, self.plan, result, preds, self._card(result))
         shown = {f"test_{k}": v for k, v in test.items() if k in ("loss", self.stopper.metric)}

@@ -53,15 +53,17 @@ def run_result(
     history: list[dict[str, Any]],
     stopper: EarlyStopping,
     test: dict[str, float],
-    test_predictions: list[Any] | None,
     plan: StrategyPlan,
     train_time_s: float,
     random_init: bool,
 ) -> dict[str, Any]:
-    """The run's summary: curves, best epoch, test metrics, parameters, time."""
+    """The run's summary: curves, best epoch, test metrics, parameters, time.
+
+    A classification run's confusion matrix is apart: `confusion_entry`.
+    """
     best = stopper.best_epoch if stopper.best_epoch is not None else len(history) - 1
     total = sum(p.numel() for p in plan.model.parameters())
-    result: dict[str, Any] = {
+    return {
         "task_type": data.task_type,
         "labels": data.labels,
         "strategy": plan.cfg.name,
@@ -80,18 +82,21 @@ def run_result(
         "windowed_examples": {s: f.num_windowed for s, f in data.features.items()},
         "truncated_examples": {s: f.num_truncated for s, f in data.features.items()},
     }
-    if (
-        data.task_type == "classification"
-        and test_predictions is not None
-        and "test" in data.tables
-    ):
-        gold = data.tables["test"].column(schema.LABEL).to_numpy()[: len(test_predictions)]
-        # see training/evaluate/metrics/metrics.py: import cost
-        from sklearn.metrics import confusion_matrix
 
-        matrix = confusion_matrix(gold, test_predictions, labels=list(range(len(data.labels))))
-        result["confusion_matrix"] = matrix.tolist()
-    return result
+
+def confusion_entry(data: TaskData, test_predictions: list[Any] | None) -> dict[str, Any]:
+    """`{"confusion_matrix": rows}` of a classification run's test predictions; else empty.
+
+    Rows are gold labels and columns predicted ones, both in `data.labels` order.
+    """
+    if data.task_type != "classification" or test_predictions is None or "test" not in data.tables:
+        return {}
+    gold = data.tables["test"].column(schema.LABEL).to_numpy()[: len(test_predictions)]
+    # see training/evaluate/metrics/metrics.py: import cost
+    from sklearn.metrics import confusion_matrix
+
+    matrix = confusion_matrix(gold, test_predictions, labels=list(range(len(data.labels))))
+    return {"confusion_matrix": matrix.tolist()}
 
 
 def _reference_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

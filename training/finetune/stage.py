@@ -24,7 +24,7 @@ from training.finetune.config import FinetuneConfig
 from training.finetune.loop import FINETUNE_LOOP, FinetuneJob
 from training.finetune.outputs import EXPORT_DIR, RESULT_FILE
 from training.registry.model_ref import BaseModelRef, resolve_base_model
-from training.registry.registry import register_export
+from training.registry.registry import Registration, register_export
 from training.registry.tracking import (
     DatasetRef,
     MlflowTracker,
@@ -205,9 +205,8 @@ def _publish(
     family = json.loads((run.export_dir / "config.json").read_text())["model_type"]
     name = cfg.model_name or f"{run_name}-{task.get('name', task['task_type'])}"
     tags = lineage | {"finetune_run": run.run_dir.name, "task_type": task["task_type"]}
-    ref = register_export(
-        run.export_dir, family, uri, mlflow_run, name, cfg.alias, tags, task["task_type"]
-    )
+    registration = Registration(name, cfg.alias, tags)
+    ref = register_export(run.export_dir, family, uri, mlflow_run, registration, task["task_type"])
     return {"model_name": ref.name, "model_version": ref.version, "model_uri": ref.model_uri}
 
 

@@ -7,6 +7,7 @@ parameter counts are exact; the attention term follows each family's attention p
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import transformers as tf
@@ -36,6 +37,19 @@ _OUTPUT_LAYER = {
 }
 
 
+@dataclass(frozen=True)
+class CompanionModels:
+    """The models a training step runs beside the one it trains, each counted in its FLOPs.
+
+    Attributes:
+        generator: ELECTRA's generator (a masked LM, trained with the discriminator).
+        teacher: A distillation teacher (forward passes only).
+    """
+
+    generator: tf.PreTrainedConfig | None = None
+    teacher: tf.PreTrainedConfig | None = None
+
+
 def _body_parameters(module: nn.Module, output: Tensor) -> int:
     """Parameters of `module` except embedding tables and the vocabulary projection."""
     skip = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
@@ -51,8 +65,7 @@ def flops_per_token(
     mlm_probability: float = 0.15,
     sparse_mlm: bool = True,
     target_len: int | None = None,
-    generator: tf.PreTrainedConfig | None = None,
-    teacher: tf.PreTrainedConfig | None = None,
+    companions: CompanionModels = CompanionModels(),
 ) -> float:
     """Training FLOPs (forward + backward) per input token, for MFU (docs/models.md).
 
@@ -65,9 +78,9 @@ def flops_per_token(
     the positions for sparse MLM, at all of them otherwise, and over the real vocabulary only
     (not the rows `model.pad_vocab_to_multiple_of` adds). Seq2seq (T5, BART) counts per
     encoder token: the decoder runs `target_len / seq_len` tokens per encoder token, with
-    self-attention over `target_len` and cross-attention over `seq_len`. ELECTRA adds its
-    `generator` (sparse MLM); distillation adds the `teacher`'s forward pass (a third of its
-    training FLOPs).
+    self-attention over `target_len` and cross-attention over `seq_len`. The `companions` add
+    theirs: ELECTRA's generator (sparse MLM), a distillation teacher's forward pass (a third of
+    its training FLOPs).
 
     Raises:
         ValueError: a seq2seq objective without `target_len`.
@@ -88,7 +101,7 @@ def flops_per_token(
     context = _attended(model_config, seq_len)
     attention = 12.0 * int(model_config.num_hidden_layers) * _width(model_config) * context
     body = 6.0 * _compute_parameters(model, output) + attention
-    extra = _companion_flops(generator, teacher, seq_len, mlm_probability, sparse_mlm)
+    extra = _companion_flops(companions, seq_len, mlm_probability, sparse_mlm)
     return body + _head_flops(model_config, output) * predicted + extra
 
 
@@ -104,13 +117,10 @@ def _width(config: tf.PreTrainedConfig) -> float:
 
 
 def _companion_flops(
-    generator: tf.PreTrainedConfig | None,
-    teacher: tf.PreTrainedConfig | None,
-    seq_len: int,
-    mlm_probability: float,
-    sparse_mlm: bool,
+    companions: CompanionModels, seq_len: int, mlm_probability: float, sparse_mlm: bool
 ) -> float:
     """ELECTRA's generator (sparse MLM) and a distillation teacher's forward pass, per token."""
+    generator, teacher = companions.generator, companions.teacher
     extra = 0.0
     if generator is not None:
         extra += flops_per_token(

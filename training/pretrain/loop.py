@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from tasks.common import schema
 from training.models.distill import DistillationModel
 from training.models.electra import ElectraPretrainer
-from training.models.flops import flops_per_token
+from training.models.flops import CompanionModels, flops_per_token
 from training.models.pretraining_model import build_pretraining_model, zero3_leaf_modules
 from training.pretrain.audit import log_sample_ids, write_pid
 from training.pretrain.config import TrainConfig
@@ -202,6 +202,8 @@ class Worker:
     def _flops(self, manifest: dict[str, Any], length: int) -> float:
         labels = self.train_data.columns.get(schema.LABELS)
         module = self.engine.module
+        generator = module.generator.config if isinstance(module, ElectraPretrainer) else None
+        teacher = module.teacher.config if isinstance(module, DistillationModel) else None
         return flops_per_token(
             exported_model(module).config,
             length,
@@ -211,8 +213,7 @@ class Worker:
             target_len=labels[0].shape[1]
             if labels and self.objective in SEQ2SEQ_OBJECTIVES
             else None,
-            generator=module.generator.config if isinstance(module, ElectraPretrainer) else None,
-            teacher=module.teacher.config if isinstance(module, DistillationModel) else None,
+            companions=CompanionModels(generator, teacher),
         )
 
     # -- resume ---------------------------------------------------------------------------

@@ -41,11 +41,16 @@ from training.pretrain.data import (
 from training.pretrain.loop import EVAL_EPOCH
 from training.pretrain.losses import export_loss
 from training.registry.model_ref import resolve_base_model
-from training.registry.registry import register_export
+from training.registry.registry import Registration, register_export
 from training.registry.tracking import MlflowTracker, NullTracker, output_ref, tracked_run
 from training.runtime import checkpoint as ckpt
-from training.runtime.faults import FaultPlan
-from training.runtime.launcher import TrainingRun, run_id_for, run_training, storage_root
+from training.runtime.launcher import (
+    RunControl,
+    TrainingRun,
+    run_id_for,
+    run_training,
+    storage_root,
+)
 from training.runtime.progress import ProgressSpec, artifact_key
 from training.runtime.run_context import RunContext
 
@@ -171,24 +176,22 @@ def pretrain_stage(
     tokenizer_dir: Path,
     *,
     run: RunContext,
-    resume: bool = False,
-    stop_at_step: int | None = None,
-    fault: FaultPlan | None = None,
-    progress: ProgressSpec | None = None,
+    control: RunControl | None = None,
 ) -> dict[str, Any]:
     """Train (or reuse a finished run), export, check the export and register it.
 
     Returns a summary: run directory, checkpoint, export directory, MLflow run id, registered
-    model version, final metrics. A stopped run (`stop_at_step`) is neither exported nor
-    registered; resume it with `resume=True`. `fault` injects one SIGKILL of a worker
-    (training/runtime/faults.py; the reliability suite's). `progress`: how this process shows
-    the training's progress (None: not at all).
+    model version, final metrics. `control` is passed to `run_training` (resume, stop step,
+    planned fault, how this process shows the progress; None: `RunControl`'s defaults). A run
+    stopped at `control.stop_at_step` is neither exported nor registered; resume it with
+    `RunControl(resume=True)`.
     """
+    control = control or RunControl()
     teacher_dir = _teacher_dir(cfg, run)
     run_id = run_id_for(cfg, run.seed, examples_dir, tokenizer_dir, teacher_dir)
     record_file = storage_root(cfg, run.workspace) / f"{run_id}.run.json"
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
-    if record.get("registered") and not stop_at_step:
+    if record.get("registered") and not control.stop_at_step:
         return dict(record["summary"]) | {"reused": True}
     log.info(
         "pretraining run %s: %s, attention %s (train.attention %s)",
@@ -211,11 +214,8 @@ def pretrain_stage(
             tokenizer_dir,
             run=run,
             mlflow_run_id=mlflow_run,
-            resume=resume,
-            stop_at_step=stop_at_step,
-            fault=fault,
+            control=control,
             teacher_dir=teacher_dir,
-            progress=progress,
         )
         summary = _summary(trained) | {"mlflow_run_id": mlflow_run}
         if trained.finished:
@@ -285,14 +285,9 @@ def _publish(
     png = loss_curve_png(run_dir / "steps.jsonl", evals, run_dir / "loss_curve.png")
     tracker.log_artifact(png, "plots")
     name = cfg.model_name or f"{run.name}-{cfg.model.family}"
+    tags = lineage_tags(trained.meta, examples_dir, tokenizer_dir)
     ref = register_export(
-        export_dir,
-        cfg.model.family,
-        uri,
-        mlflow_run,
-        name,
-        cfg.alias,
-        lineage_tags(trained.meta, examples_dir, tokenizer_dir),
+        export_dir, cfg.model.family, uri, mlflow_run, Registration(name, cfg.alias, tags)
     )
     return out | {"model_name": ref.name, "model_version": ref.version, "model_uri": ref.model_uri}
 
@@ -315,6 +310,5 @@ def pretrain_task(
     logger.info("pretraining: %s", cfg.precision_choice())  # shown on the console
     title = f"pretrain {cfg.model.family}-{cfg.model.size}"
     progress = ProgressSpec(title, logger, artifact_key(f"{run.name}-pretrain-progress"))
-    return pretrain_stage(
-        cfg, Path(examples_dir), Path(tokenizer_dir), run=run, resume=resume, progress=progress
-    )
+    control = RunControl(resume=resume, progress=progress)
+    return pretrain_stage(cfg, Path(examples_dir), Path(tokenizer_dir), run=run, control=control)

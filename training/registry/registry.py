@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,22 @@ _URI_VARIABLE = "MLFLOW_TRACKING_URI"
 # The MLmodel flavor of a bottleneck-adapter export: not `transformers` nor `python_function`, so
 # MLflow's loaders refuse it rather than load the model without its adapters.
 ADAPTERS_FLAVOR = "lmpipe_bottleneck_adapters"
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Where `register_export` puts a new model version, and the tags it gives it.
+
+    Attributes:
+        model_name: Registered model name.
+        alias: Alias to point at the new version, e.g. `candidate`.
+        tags: Lineage tags for the version: corpus manifest, tokenizer and example config
+            hashes, DeepSpeed config JSON, git commit.
+    """
+
+    model_name: str
+    alias: str
+    tags: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -248,12 +264,10 @@ def register_export(
     family: str,
     tracking_uri: str,
     run_id: str,
-    model_name: str,
-    alias: str,
-    tags: Mapping[str, str],
+    registration: Registration,
     task_type: str | None = None,
 ) -> ModelVersionRef:
-    """Log an export to run `run_id`, register it as a new version of `model_name`, alias it.
+    """Log an export to run `run_id`, register it as a new version of a model, alias and tag it.
 
     The run's status is left as it was (a RUNNING run stays RUNNING): the run is only
     written to through `MlflowClient`, never entered with `mlflow.start_run`.
@@ -264,10 +278,8 @@ def register_export(
         family: Model family; picks the Auto class and the pipeline task.
         tracking_uri: MLflow tracking URI (also the registry), e.g. `sqlite:////abs/mlflow.db`.
         run_id: The run that produced the model.
-        model_name: Registered model name.
-        alias: Alias to point at the new version, e.g. `candidate`.
-        tags: Lineage tags for the version: corpus manifest, tokenizer and example config
-            hashes, DeepSpeed config JSON, git commit.
+        registration: The registered model's name, the alias to point at the new version and
+            the version's lineage tags.
         task_type: For a fine-tuned export, its downstream task type (picks the Auto class and
             the pipeline task); None for a pretrained export.
 
@@ -276,6 +288,7 @@ def register_export(
     """
     import mlflow
 
+    model_name, alias = registration.model_name, registration.alias
     check_model_name(model_name)
     client = mlflow.MlflowClient(tracking_uri)
     run = client.get_run(run_id)
@@ -287,7 +300,7 @@ def register_export(
             model_name,
             source=f"models:/{model_id}",
             run_id=run_id,
-            tags={"family": family, **tags},
+            tags={"family": family, **registration.tags},
             model_id=model_id,
         )
         client.set_registered_model_alias(model_name, alias, mv.version)

@@ -7,8 +7,8 @@ no clean-up, no flushed buffers), placed exactly where a random external kill on
 It fires once per plan: the dying process first creates the plan's marker file, and a restarted
 attempt that reaches the same point finds the marker and carries on.
 
-Plans reach workers inside `WorkerJob` (`pretrain_stage(..., fault=plan)`); nothing reads the
-environment, so a stray variable can never kill a production run.
+Plans reach workers inside `WorkerJob` (`pretrain_stage(..., control=RunControl(fault=plan))`);
+nothing reads the environment, so a stray variable can never kill a production run.
 """
 
 from __future__ import annotations

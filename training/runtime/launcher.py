@@ -5,7 +5,7 @@ one worker in this process when `train.scale.launcher` says so (`resolve_launche
 
 A run lives in `<storage>/<run id>/` where the run id is a hash of the example and tokenizer
 outputs, the train config and the seed: the same inputs find the same run, which is reused when
-finished and resumed (with `resume=True`) when it stopped.
+finished and resumed (with `RunControl(resume=True)`) when it stopped.
 """
 
 from __future__ import annotations
@@ -35,6 +35,25 @@ log = logging.getLogger(__name__)
 
 class RunStateError(RuntimeError):
     """A run exists and is unfinished but resuming was not asked for (or the reverse)."""
+
+
+@dataclass(frozen=True)
+class RunControl:
+    """How one call drives a training run, apart from what it trains (none of it is in the run id).
+
+    Attributes:
+        resume: Continue an unfinished run found under the same run id (else that is an error).
+        stop_at_step: End after this step with a checkpoint, as a preempted run does; None: run
+            to `max_steps`.
+        fault: One planned SIGKILL of a worker (training/runtime/faults.py; the reliability
+            suite's).
+        progress: How this driver shows the run's progress; None: not at all.
+    """
+
+    resume: bool = False
+    stop_at_step: int | None = None
+    fault: FaultPlan | None = None
+    progress: ProgressSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -89,23 +108,21 @@ def run_training(
     *,
     run: RunContext,
     mlflow_run_id: str | None,
-    resume: bool = False,
-    stop_at_step: int | None = None,
-    fault: FaultPlan | None = None,
+    control: RunControl | None = None,
     teacher_dir: Path | None = None,
-    progress: ProgressSpec | None = None,
 ) -> TrainingRun:
-    """Train on Ray Train with DeepSpeed until `max_steps` (or `stop_at_step`).
+    """Train on Ray Train with DeepSpeed until `max_steps` (or `control.stop_at_step`).
 
     `run` gives the seed, the workspace (unless `train.checkpoint.storage_path` is set), Ray and
-    the tracking URI the workers log to; `teacher_dir` is the resolved local teacher of a
-    distillation run (`train.distillation`); `progress` how this driver shows the run's progress
-    (None: not at all).
+    the tracking URI the workers log to; `control` whether to resume, where to stop, a planned
+    fault and how this driver shows the run's progress (None: `RunControl`'s defaults);
+    `teacher_dir` is the resolved local teacher of a distillation run (`train.distillation`).
 
     Raises:
-        RunStateError: the run stopped earlier and `resume` is False.
+        RunStateError: the run stopped earlier and `control.resume` is False.
         RuntimeError: training failed after `scale.max_failures` restarts.
     """
+    control = control or RunControl()
     run_id = run_id_for(cfg, run.seed, examples_dir, tokenizer_dir, teacher_dir)
     root = storage_root(cfg, run.workspace)
     run_dir = root / run_id
@@ -113,7 +130,7 @@ def run_training(
     if found is not None and found.meta["step"] >= cfg.max_steps:
         log.info("run %s already finished at step %d: reused", run_id, found.meta["step"])
         return TrainingRun(run_dir, found.path, found.meta, mlflow_run_id, True)
-    if found is not None and not resume:
+    if found is not None and not control.resume:
         raise RunStateError(
             f"{run_dir} holds an unfinished run (step {found.meta['step']} of {cfg.max_steps}): "
             "pass --resume to continue it, or remove the directory to start over"
@@ -129,11 +146,11 @@ def run_training(
         config_hash=run_id,
         tracking_uri=run.tracking_uri,
         run_id=mlflow_run_id,
-        stop_at_step=stop_at_step,
-        fault=fault,
+        stop_at_step=control.stop_at_step,
+        fault=control.fault,
         teacher_dir=teacher_dir.resolve() if teacher_dir is not None else None,
     )
-    _fit(job, root, run_id, run.ray, progress)
+    _fit(job, root, run_id, run.ray, control.progress)
     last = ckpt.find_resumable(run_dir, None, run_id)
     if last is None:
         raise RuntimeError(f"{run_dir}: training ended without a valid checkpoint")

@@ -189,7 +189,7 @@ def _register_model(base_dir: Path, tmp_path: Path, tracking_uri: str) -> str:
     from mlflow import MlflowClient
 
     from training.models.export import AUTO_CLASSES, DataRef, ModelCard, TokenizerRef, export_model
-    from training.registry.registry import register_export
+    from training.registry.registry import Registration, register_export
 
     model = AUTO_CLASSES["bert"].from_pretrained(base_dir, local_files_only=True)
     card = ModelCard(
@@ -206,9 +206,8 @@ def _register_model(base_dir: Path, tmp_path: Path, tracking_uri: str) -> str:
     hf_dir = export_model(model, base_dir, tmp_path / "export", card)
     client = MlflowClient(tracking_uri)
     run = client.create_run(client.create_experiment("browser-test"), run_name="browser-export")
-    ref = register_export(
-        hf_dir, "bert", tracking_uri, run.info.run_id, MODEL, ALIAS, {"git_commit": "browser-test"}
-    )
+    registration = Registration(MODEL, ALIAS, {"git_commit": "browser-test"})
+    ref = register_export(hf_dir, "bert", tracking_uri, run.info.run_id, registration)
     client.set_terminated(run.info.run_id)
     return ref.version
 

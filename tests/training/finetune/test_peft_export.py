@@ -241,13 +241,18 @@ def test_registered_adapter_export_loads_the_adapted_model_from_anywhere(
     import mlflow
     import peft
 
-    from training.registry.registry import _tracking_uri, download_model, register_export
+    from training.registry.registry import (
+        Registration,
+        _tracking_uri,
+        download_model,
+        register_export,
+    )
 
     task_type = FAMILIES[family][0]
     uri, run_id = mlflow_run
     export, expected = export_run(family, STRATEGIES[strategy], tmp_path / "run")
     name = f"peft-{tmp_path.name}"
-    ref = register_export(export, family, uri, run_id, name, "candidate", {}, task_type)
+    ref = register_export(export, family, uri, run_id, Registration(name, "candidate"), task_type)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -273,12 +278,19 @@ def test_registered_bottleneck_export_is_refused_by_mlflow_loaders_and_loads_wit
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from training.registry.registry import _tracking_uri, download_model, register_export
+    from training.registry.registry import (
+        Registration,
+        _tracking_uri,
+        download_model,
+        register_export,
+    )
 
     uri, run_id = mlflow_run
     export, expected = export_run("bert", {"name": "adapters"}, tmp_path / "run")
     name = f"peft-{tmp_path.name}"
-    ref = register_export(export, "bert", uri, run_id, name, "candidate", {}, "classification")
+    ref = register_export(
+        export, "bert", uri, run_id, Registration(name, "candidate"), "classification"
+    )
 
     with _tracking_uri(uri), pytest.raises(MlflowException, match="transformers"):
         mlflow.transformers.load_model(ref.model_uri)

@@ -411,14 +411,21 @@ def test_registered_bert_resolves_by_alias_and_reloads_offline(
 ) -> None:
     from mlflow import MlflowClient
 
-    from training.registry.registry import download_model, register_export, resolve_version
+    from training.registry.registry import (
+        Registration,
+        download_model,
+        register_export,
+        resolve_version,
+    )
 
     uri, experiment, artifacts = mlflow_store
     client = MlflowClient(uri)
     run_id = client.create_run(experiment).info.run_id
     model, hf_dir, _ = exports["bert"]
 
-    ref = register_export(hf_dir, "bert", uri, run_id, "tiny-bert", "candidate", LINEAGE)
+    ref = register_export(
+        hf_dir, "bert", uri, run_id, Registration("tiny-bert", "candidate", LINEAGE)
+    )
 
     assert client.get_run(run_id).info.status == "RUNNING"
     found = resolve_version(uri, "tiny-bert", "candidate")
@@ -451,7 +458,12 @@ def test_registered_gpt2_keeps_a_finished_run_finished_and_moves_the_alias(
 ) -> None:
     from mlflow import MlflowClient
 
-    from training.registry.registry import download_model, register_export, resolve_version
+    from training.registry.registry import (
+        Registration,
+        download_model,
+        register_export,
+        resolve_version,
+    )
 
     uri, experiment, _ = mlflow_store
     client = MlflowClient(uri)
@@ -459,8 +471,9 @@ def test_registered_gpt2_keeps_a_finished_run_finished_and_moves_the_alias(
     client.set_terminated(run_id)
     model, hf_dir, _ = exports["gpt2"]
 
-    first = register_export(hf_dir, "gpt2", uri, run_id, "tiny-gpt2", "candidate", LINEAGE)
-    second = register_export(hf_dir, "gpt2", uri, run_id, "tiny-gpt2", "candidate", LINEAGE)
+    registration = Registration("tiny-gpt2", "candidate", LINEAGE)
+    first = register_export(hf_dir, "gpt2", uri, run_id, registration)
+    second = register_export(hf_dir, "gpt2", uri, run_id, registration)
 
     assert client.get_run(run_id).info.status == "FINISHED"
     assert (first.version, second.version) == ("1", "2")

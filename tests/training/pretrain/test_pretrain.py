@@ -28,6 +28,7 @@ from training.pretrain.config import TrainConfig
 from training.pretrain.stage import pretrain_stage
 from training.registry.registry import download_model, resolve_version
 from training.registry.tracking import TrackingConfig
+from training.runtime.launcher import RunControl
 from training.runtime.run_context import RunContext
 from training.runtime.telemetry import _PEAK_CACHE, measure_peak_flops
 
@@ -215,7 +216,9 @@ def test_run_stopped_at_step_k_resumes_in_a_new_process_with_identical_losses(
     ctx = RunContext(tmp_root / "ws", seed=0, ray=ray_cfg, tracking=off, name="w")
     whole = pretrain_stage(train_config("bert", tmp_root / "whole", **extra), *args, run=ctx)
     cfg = train_config("bert", tmp_root / "stopped", **extra)
-    stopped = pretrain_stage(cfg, *args, run=replace(ctx, name="s"), stop_at_step=4)
+    stopped = pretrain_stage(
+        cfg, *args, run=replace(ctx, name="s"), control=RunControl(stop_at_step=4)
+    )
     assert stopped["step"] == 4
     assert not stopped["finished"]
     script = (
@@ -223,11 +226,13 @@ def test_run_stopped_at_step_k_resumes_in_a_new_process_with_identical_losses(
         "from training.pretrain.stage import pretrain_stage; from tasks.common.ray_runtime import "
         "RayConfig; "
         "from training.registry.tracking import TrackingConfig; "
+        "from training.runtime.launcher import RunControl; "
         "from training.runtime.run_context import RunContext; "
         "cfg = TrainConfig.model_validate_json(sys.argv[1]); "
         "ctx = RunContext(Path(sys.argv[4]), 0, RayConfig(address=sys.argv[5]), "
         "TrackingConfig(enabled=False), 's'); "
-        "s = pretrain_stage(cfg, Path(sys.argv[2]), Path(sys.argv[3]), run=ctx, resume=True); "
+        "s = pretrain_stage(cfg, Path(sys.argv[2]), Path(sys.argv[3]), run=ctx, "
+        "control=RunControl(resume=True)); "
         "print(s['step'])"
     )
     proc = subprocess.run(

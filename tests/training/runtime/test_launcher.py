@@ -25,7 +25,7 @@ from training.models.export import gather_state_dict
 from training.pretrain.config import ScaleConfig, TrainConfig
 from training.registry.tracking import TrackingConfig
 from training.runtime import launcher
-from training.runtime.launcher import resolve_launcher, run_training
+from training.runtime.launcher import RunControl, resolve_launcher, run_training
 from training.runtime.run_context import RunContext
 
 REPO = Path(__file__).resolve().parents[3]
@@ -185,7 +185,7 @@ def test_in_process_pretraining_stops_and_resumes_to_the_same_losses_and_weights
             data["tokenizer"],
             run=ctx,
             mlflow_run_id=None,
-            **kwargs,
+            control=RunControl(**kwargs),
         )
 
     whole = train("whole")
