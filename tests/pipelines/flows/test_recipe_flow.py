@@ -1,0 +1,54 @@
+"""Every lmpipe flow is a `RecipeFlow`: Prefect's flow, recording its parameters without FastAPI."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from prefect import Flow
+
+from pipelines.config import load_config
+from pipelines.flows.recipe_flow import RecipeFlow
+from pipelines.ops.deployments_config import FLOWS
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("name", sorted(FLOWS))
+def test_every_deployable_flow_is_declared_a_recipe_flow(name: str) -> None:
+    # Read from the source: importing every flow would import torch (compare, finetune).
+    module, attr = FLOWS[name]
+    tree = ast.parse((REPO / (module.replace(".", "/") + ".py")).read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == attr]
+    assert [ast.unparse(d) for d in fn.decorator_list] == [f"recipe_flow(name={name!r})"]
+
+
+def test_recipe_flow_makes_a_prefect_flow_of_that_name() -> None:
+    from pipelines.flows.ingest_flow import ingest_flow
+
+    assert isinstance(ingest_flow, RecipeFlow)
+    assert isinstance(ingest_flow, Flow)
+    assert ingest_flow.name == "ingest"
+
+
+def test_recorded_parameters_are_what_prefect_records_without_its_encoder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipelines.flows.pretrain_flow import pretrain_flow
+
+    cfg = load_config(
+        REPO / "configs" / "demo.yaml",
+        [f"workspace={tmp_path}", "prefect.api_key=canary-key", "tracking.password=canary-pw"],
+    )
+    parameters = {"cfg": cfg, "resume": True}
+    expected = Flow.serialize_parameters(pretrain_flow, parameters)
+
+    def no_encoder(self: Flow[..., object], values: dict[str, object]) -> dict[str, object]:
+        raise AssertionError(f"Prefect's encoder called for {sorted(values)}")
+
+    monkeypatch.setattr(Flow, "serialize_parameters", no_encoder)
+    recorded = pretrain_flow.serialize_parameters(parameters)
+    assert recorded == expected
+    assert list(recorded) == ["cfg", "resume"]
+    assert "canary" not in str(recorded)  # secrets masked, as Prefect masks them
