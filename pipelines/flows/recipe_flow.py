@@ -1,19 +1,28 @@
-"""`recipe_flow`, the decorator of every lmpipe flow: Prefect's `@flow`, minus a FastAPI import.
+"""`recipe_flow`, the decorator of every lmpipe flow: Prefect's `@flow`, minus two start-up costs.
 
-Prefect records a flow run's parameters as JSON values, through FastAPI's `jsonable_encoder`;
-importing FastAPI for that took 0.25 s of a cache-hit rerun on a 2-core machine. For a pydantic
-model such as `RunConfig`, `jsonable_encoder` returns `model_dump(mode="json", by_alias=True)`,
-which `RecipeFlow` calls itself: the recorded parameters are the same (secrets masked alike).
+- Prefect's `Flow.__init__` builds `parameters`, the JSON schema of the flow's parameters (the
+  form of a run in the UI), when the flow is defined. For a `RunConfig` that is pydantic's JSON
+  schema of the whole config, built twice: 0.2-0.3 s of every command on a 2-core machine. No
+  flow run reads it, and a deployment builds its own from the function (`to_deployment`), so a
+  `RecipeFlow` builds it on first use instead.
+- Prefect records a flow run's parameters as JSON values, through FastAPI's `jsonable_encoder`;
+  importing FastAPI for it took 0.25 s. For a pydantic model such as `RunConfig` that encoder
+  returns `model_dump(mode="json", by_alias=True)`, which `RecipeFlow` calls itself: the
+  recorded parameters are the same (secrets masked alike).
+
 Everything else is Prefect's `Flow`. The flows themselves live one per module beside this one.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
+import prefect.flows
 from prefect import Flow
+from prefect.utilities.callables import ParameterSchema, parameter_schema
 from pydantic import BaseModel
 
 P = ParamSpec("P")
@@ -21,10 +30,52 @@ R = TypeVar("R")
 
 #: Parameter values that are JSON already: `jsonable_encoder` returns them unchanged.
 _JSON_SCALARS = (str, int, float, bool, type(None))
+#: What `Flow.__init__` stores as `parameters` while a `RecipeFlow` is made: built on first use.
+_DEFERRED = ParameterSchema(title="Parameters")
+_DEFINING = threading.Lock()
+
+
+def _deferred_schema(fn: Callable[..., Any]) -> ParameterSchema:
+    return _DEFERRED
+
+
+@contextlib.contextmanager
+def _schema_deferred() -> Iterator[None]:
+    """Make `Flow.__init__` store `_DEFERRED` as the schema, in place of building it.
+
+    `Flow.__init__` (Prefect 3.8) calls `prefect.flows.parameter_schema`, swapped here while
+    one `RecipeFlow` is made at a time; a plain `Flow` made by another thread meanwhile would
+    get `_DEFERRED` as its schema. Flows are made when their modules are imported.
+    """
+    names = vars(prefect.flows)
+    with _DEFINING:
+        built = names["parameter_schema"]  # a KeyError if Prefect no longer calls it so
+        names["parameter_schema"] = _deferred_schema
+        try:
+            yield
+        finally:
+            names["parameter_schema"] = built
 
 
 class RecipeFlow(Flow[P, R]):
-    """A Prefect flow that serialises pydantic and scalar parameters without FastAPI."""
+    """A Prefect flow: parameter schema built on first use, parameters sent without FastAPI."""
+
+    def __init__(self, fn: Callable[P, R], name: str) -> None:
+        """Make the flow of `fn`, named `name`, as `@flow(name=name)` does."""
+        self._schema: ParameterSchema | None = None
+        with _schema_deferred():
+            super().__init__(fn, name=name)
+
+    @property
+    def parameters(self) -> ParameterSchema:
+        """The JSON schema of the flow's parameters, as Prefect builds it; built on first use."""
+        if self._schema is None:
+            self._schema = parameter_schema(self.fn)
+        return self._schema
+
+    @parameters.setter
+    def parameters(self, schema: ParameterSchema) -> None:
+        self._schema = None if schema is _DEFERRED else schema
 
     def serialize_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
         """Return the parameters as the JSON values Prefect records with the flow run.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from prefect import Flow
 
-from pipelines.config import load_config
+from pipelines.config import RunConfig, load_config
 from pipelines.flows.recipe_flow import RecipeFlow
 from pipelines.ops.deployments_config import FLOWS
 
@@ -52,3 +52,32 @@ def test_recorded_parameters_are_what_prefect_records_without_its_encoder(
     assert recorded == expected
     assert list(recorded) == ["cfg", "resume"]
     assert "canary" not in str(recorded)  # secrets masked, as Prefect masks them
+
+
+def test_the_parameter_schema_is_built_on_first_use_as_prefect_builds_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import prefect.flows
+    import prefect.utilities.callables as callables
+
+    def run(cfg: RunConfig) -> None:
+        """Run nothing.
+
+        Args:
+            cfg: The run's recipe.
+        """
+
+    built: list[object] = []
+    generate = callables.generate_parameter_schema
+    monkeypatch.setattr(
+        callables, "generate_parameter_schema", lambda *a: built.append(a) or generate(*a)
+    )
+    flow = RecipeFlow(run, name="lazy")
+    assert built == []  # nothing built when the flow is defined
+    schema = flow.parameters.model_dump()
+    assert flow.parameters.model_dump() == schema
+    assert len(built) == 1  # on first use, once
+    assert schema == Flow(run, name="eager").parameters.model_dump()
+    assert schema["properties"]["cfg"]["description"] == "The run's recipe."
+    assert "RunConfig" in schema["definitions"]
+    assert prefect.flows.parameter_schema is callables.parameter_schema  # restored
