@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +84,48 @@ def test_the_parameter_schema_is_built_on_first_use_as_prefect_builds_it(
     assert schema["properties"]["cfg"]["description"] == "The run's recipe."
     assert "RunConfig" in schema["definitions"]
     assert prefect.flows.parameter_schema is callables.parameter_schema  # restored
+
+
+class _Engine:
+    """What Prefect's heartbeat thread reads of a flow run engine: no flow run, so no event."""
+
+    heartbeat_seconds = 30
+    flow_run = None
+    logger = logging.getLogger("test-heartbeats")
+
+    def __init__(self, flow: Flow[..., object]) -> None:
+        self.flow = flow
+        self.beats = 0
+
+    def _build_heartbeat_event_template(self) -> tuple[dict[str, str], list[object]]:
+        return {}, []
+
+    def _emit_flow_run_heartbeat(self, *_: object) -> None:
+        self.beats += 1
+
+
+def _stopped_after_s(engine: _Engine) -> float:
+    import prefect.flow_engine
+
+    with prefect.flow_engine._send_heartbeats(engine):
+        deadline = time.monotonic() + 10
+        while not engine.beats and time.monotonic() < deadline:  # its first beat, then a sleep
+            time.sleep(0.01)
+        stop = time.perf_counter()
+    return time.perf_counter() - stop
+
+
+@pytest.mark.slow  # a heartbeat thread sleeps in steps of 1 s
+def test_a_recipe_flow_run_does_not_wait_for_its_heartbeat_thread_to_stop() -> None:
+    def run() -> None:
+        pass
+
+    # The thread beats at once, then sleeps in steps of 1 s: Prefect's own flow waits for the
+    # step to end, a recipe flow does not.
+    recipe, plain = _Engine(RecipeFlow(run, name="recipe")), _Engine(Flow(run, name="plain"))
+    threads = threading.active_count()
+    assert _stopped_after_s(recipe) < 0.5 < _stopped_after_s(plain)
+    assert recipe.beats == plain.beats == 1
+    time.sleep(1.5)  # the recipe flow's thread stops at its next step, beating no more
+    assert recipe.beats == 1
+    assert threading.active_count() == threads
