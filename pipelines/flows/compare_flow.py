@@ -6,17 +6,16 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from prefect import flow
-
 from pipelines.config import RunConfig, load_config
 from pipelines.flows.finetune_flow import prepare_task, upstream
+from pipelines.flows.recipe_flow import recipe_flow
 from pipelines.flows.steps import base_model, run_context
 from pipelines.ops.runtime import resolve_environment
 from training.finetune.compare import compare_task
 from training.finetune.stage import finetune_task
 
 
-@flow(name="compare")
+@recipe_flow(name="compare")
 def compare_flow(cfg: RunConfig) -> dict[str, Any]:
     """Fine-tune each `compare.entries` strategy once per seed and compare them.
 

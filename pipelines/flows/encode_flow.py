@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import sys
 
-from prefect import flow
-
 from pipelines.config import RunConfig, load_config
+from pipelines.flows.recipe_flow import recipe_flow
 from pipelines.flows.steps import Stages, run_data_steps
 from pipelines.ops.runtime import resolve_environment
 
 
-@flow(name="encode")
+@recipe_flow(name="encode")
 def encode_flow(cfg: RunConfig) -> Stages:
     """Run the stages up to the tokenizer, then encode the corpus; returns each stage's summary.
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from prefect import flow
-
 from pipelines.config import RunConfig, load_config
 from pipelines.flows.finetune_flow import prepare_task, upstream
+from pipelines.flows.recipe_flow import recipe_flow
 from pipelines.flows.steps import Stages, evaluate_step
 from pipelines.ops.runtime import resolve_environment
 
 
-@flow(name="evaluate")
+@recipe_flow(name="evaluate")
 def evaluate_flow(cfg: RunConfig) -> Stages:
     """Probe the base model and, with `evaluate.prompting`, classify the task by prompting.
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import sys
 
-from prefect import flow
-
 from pipelines.config import RunConfig, load_config
+from pipelines.flows.recipe_flow import recipe_flow
 from pipelines.flows.steps import Stages, run_data_steps
 from pipelines.ops.runtime import resolve_environment
 
 
-@flow(name="examples")
+@recipe_flow(name="examples")
 def examples_flow(cfg: RunConfig) -> Stages:
     """Run the upstream stages, then cut the examples; returns each stage's summary."""
     cfg = resolve_environment(cfg)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from prefect import flow
-
 from pipelines.config import ConfigError, RunConfig, load_config
 from pipelines.flows.pretrain_flow import pretrain_flow
+from pipelines.flows.recipe_flow import recipe_flow
 from pipelines.flows.steps import Stages, downstream_step, finetune_step
 from pipelines.ops.runtime import resolve_environment
 
@@ -25,7 +24,7 @@ def upstream(cfg: RunConfig) -> Stages:
     return {} if cfg.finetune.base is not None else pretrain_flow(cfg)
 
 
-@flow(name="finetune")
+@recipe_flow(name="finetune")
 def finetune_flow(cfg: RunConfig) -> Stages:
     """Fine-tune the base model on the task; returns each stage's summary by name.
 

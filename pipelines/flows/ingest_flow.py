@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import sys
 
-from prefect import flow
-
 from pipelines.config import RunConfig, load_config
+from pipelines.flows.recipe_flow import recipe_flow
 from pipelines.flows.steps import Stages, run_data_steps
 from pipelines.ops.runtime import resolve_environment
 
 
-@flow(name="ingest")
+@recipe_flow(name="ingest")
 def ingest_flow(cfg: RunConfig) -> Stages:
     """Ingest the corpus into fingerprinted Arrow shards; returns `{"ingest": summary}`."""
     cfg = resolve_environment(cfg)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from prefect import flow
-
 from pipelines.config import ConfigError, RunConfig, load_config
+from pipelines.flows.recipe_flow import recipe_flow
 from pipelines.flows.stage_tracking import pipeline_run, record_pipeline
 from pipelines.flows.steps import (
     Stages,
@@ -26,7 +25,7 @@ from pipelines.flows.summary import publish_pipeline
 from pipelines.ops.runtime import resolve_environment
 
 
-@flow(name="pipeline")
+@recipe_flow(name="pipeline")
 def pipeline_flow(cfg: RunConfig = RunConfig()) -> Stages:  # noqa: B008 (the UI form's defaults)
     """Run the whole pipeline on one config; returns each stage's summary by name.
 

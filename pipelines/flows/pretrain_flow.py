@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from prefect import flow
-
 from pipelines.config import RunConfig, load_config
 from pipelines.flows.examples_flow import examples_flow
+from pipelines.flows.recipe_flow import recipe_flow
 from pipelines.flows.steps import Stages, pretrain_step
 from pipelines.ops.runtime import resolve_environment
 
 
-@flow(name="pretrain")
+@recipe_flow(name="pretrain")
 def pretrain_flow(cfg: RunConfig, resume: bool = False) -> Stages:
     """Run ingest → tokenizer → encode → examples, then pretrain, export and register a model.
 

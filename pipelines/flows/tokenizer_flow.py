@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import sys
 
-from prefect import flow
-
 from pipelines.config import RunConfig, load_config
+from pipelines.flows.recipe_flow import recipe_flow
 from pipelines.flows.steps import Stages, corpus_path, run_data_steps
 from pipelines.ops.runtime import resolve_environment
 
 __all__ = ["corpus_path", "tokenizer_flow"]
 
 
-@flow(name="tokenizer")
+@recipe_flow(name="tokenizer")
 def tokenizer_flow(cfg: RunConfig) -> Stages:
     """Run ingestion, decontamination when enabled, then the tokenizer stage.
 

@@ -9,7 +9,9 @@ against the source). One end-to-end case runs a real Prefect flow on a corrupt i
 from __future__ import annotations
 
 import ast
+import atexit
 import builtins
+import gc
 import importlib.metadata as md
 import importlib.util
 import json
@@ -127,6 +129,21 @@ def test_a_bad_config_exits_2_with_its_keys_and_a_last_line_cause(
     assert out == ""
     assert "  train.max_steps = 0: Input should be greater than or equal to 1" in err
     assert err.splitlines()[-1].startswith("lmpipe: config error (exit 2): ConfigError: ")
+
+
+def test_a_command_freezes_the_collector_at_exit_once_however_often_it_runs(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registered: list[object] = []
+
+    def unregister(fn: object) -> None:  # as atexit's: every registration of fn, if any
+        registered[:] = [f for f in registered if f is not fn]
+
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(atexit, "unregister", unregister)
+    for _ in range(2):
+        assert run_main(["config", str(DEMO)], capsys)[0] == 0
+    assert registered == [gc.freeze]
 
 
 def test_cli_and_config_loading_import_none_of_the_heavy_libraries() -> None:
