@@ -104,15 +104,19 @@ class _Engine:
         self.beats += 1
 
 
-def _stopped_after_s(engine: _Engine) -> float:
+def _stopped_after_s(engine: _Engine) -> tuple[float, list[threading.Thread]]:
+    """Seconds the heartbeats took to stop, and the heartbeat threads they started."""
     import prefect.flow_engine
 
+    before = set(threading.enumerate())
     with prefect.flow_engine._send_heartbeats(engine):
         deadline = time.monotonic() + 10
         while not engine.beats and time.monotonic() < deadline:  # its first beat, then a sleep
             time.sleep(0.01)
+        # Prefect runs the heartbeat loop through `Context.run`, which names the thread.
+        started = [t for t in threading.enumerate() if t not in before and t.name.endswith("(run)")]
         stop = time.perf_counter()
-    return time.perf_counter() - stop
+    return time.perf_counter() - stop, started
 
 
 @pytest.mark.slow  # a heartbeat thread sleeps in steps of 1 s
@@ -123,9 +127,12 @@ def test_a_recipe_flow_run_does_not_wait_for_its_heartbeat_thread_to_stop() -> N
     # The thread beats at once, then sleeps in steps of 1 s: Prefect's own flow waits for the
     # step to end, a recipe flow does not.
     recipe, plain = _Engine(RecipeFlow(run, name="recipe")), _Engine(Flow(run, name="plain"))
-    threads = threading.active_count()
-    assert _stopped_after_s(recipe) < 0.5 < _stopped_after_s(plain)
+    recipe_s, recipe_threads = _stopped_after_s(recipe)
+    plain_s, _ = _stopped_after_s(plain)
+    assert recipe_s < 0.5 < plain_s
     assert recipe.beats == plain.beats == 1
-    time.sleep(1.5)  # the recipe flow's thread stops at its next step, beating no more
+    assert len(recipe_threads) == 1  # the heartbeat thread, still sleeping
+    # Only the threads this run started are followed: others of the session come and go.
+    recipe_threads[0].join(timeout=1.5)  # it stops at its next step, beating no more
+    assert not recipe_threads[0].is_alive()
     assert recipe.beats == 1
-    assert threading.active_count() == threads
