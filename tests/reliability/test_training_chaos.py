@@ -28,7 +28,7 @@ from training_runs import tiny_bert_config
 from training.models.export import gather_state_dict
 from training.pretrain.config import TrainConfig
 from training.runtime import checkpoint as ckpt
-from training.runtime.faults import SAVE_POINTS, FaultPlan, FaultPoint
+from training.runtime.faults import SAVE_POINTS, FaultPlan, FaultPoint, chain
 from training.runtime.launcher import TrainingRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
@@ -111,7 +111,6 @@ def check_against_clean(
     assert weights.keys() == clean["weights"].keys()
     differing = [k for k in weights if not torch.equal(weights[k], clean["weights"][k])]
     assert not differing, f"final weights differ from the clean run's: {differing[:5]}"
-    after = [t for t in got["times"] if t > killed_at]
     dirs = ckpt.checkpoint_dirs(run.run_dir)
     leftovers = [p.name for _, p in dirs if not (p / ckpt.META).exists()]
     assert not leftovers, f"incomplete checkpoint directories left: {leftovers}"
@@ -119,9 +118,15 @@ def check_against_clean(
         "samples_lost": lost,
         "samples_repeated": repeated,
         "steps_recomputed": got["recomputed"],
-        "recover_s": round(after[0] - killed_at, 1) if after else None,
+        "recover_s": recover_s(got["times"], killed_at),
         "weights_equal": True,
     }
+
+
+def recover_s(times: list[float], killed_at: float) -> float | None:
+    """Seconds from a kill to the next sample logged by any rank (None: none after it)."""
+    after = [t for t in times if t > killed_at]
+    return round(after[0] - killed_at, 1) if after else None
 
 
 class ExternalKiller(threading.Thread):
@@ -196,29 +201,49 @@ def test_random_worker_kill_loses_and_repeats_no_sample(
     record_row("training_chaos", "trials", figures, ("trial",))
 
 
-def _save_points() -> list[str]:
-    return list(SAVE_POINTS) if trials(0, 1) else ["before_meta", "during_purge"]
+def _save_faults() -> list[tuple[FaultPoint, ...]]:
+    """The kills of each run: one run per save point (`make test-reliability`), or one run.
+
+    `make test`'s one run is killed before the commit (meta.json) of the step-6 save and again
+    during the purge at step 9, and resumes after each: a Ray Train start fewer than a run per
+    point, with the same checks on each resume.
+    """
+    if trials(0, 1):
+        return [(point,) for point in SAVE_POINTS]
+    return [("before_meta", "during_purge")]
 
 
-@pytest.mark.parametrize("point", _save_points())
+@pytest.mark.parametrize("points", _save_faults(), ids="+".join)
 def test_kill_during_save_resumes_from_the_newest_complete_checkpoint(
-    point: FaultPoint, clean: dict[str, Any], tmp_path: Path
+    points: tuple[FaultPoint, ...], clean: dict[str, Any], tmp_path: Path
 ) -> None:
-    step = SAVE_STEPS[-1]
-    rank = 1 if point == "after_shard" else 0
-    marker = tmp_path / "fired"
-    plan = FaultPlan(point=point, step=step, rank=rank, marker=marker)
+    # The last save steps, one each, in order: a lone point at the last save.
+    steps = SAVE_STEPS[len(SAVE_STEPS) - len(points) :]
+    plan: FaultPlan | None = None
+    for i in reversed(range(len(points))):
+        point, step = points[i], steps[i]
+        assert point != "during_purge" or step in PURGE_STEPS, "no purge at that step"
+        rank = 1 if point == "after_shard" else 0
+        marker = tmp_path / f"fired-{i}"
+        plan = FaultPlan(point=point, step=step, rank=rank, marker=marker, then=plan)
+    assert plan is not None
     run = train(clean["data"], tmp_path / "run", plan)
-    assert marker.is_file(), "the fault never fired"
+    kills = chain(plan)
+    for fault in kills:
+        assert fault.marker.is_file(), f"the fault {fault.point} never fired"
     # meta.json is the commit: before it the save at `step` is partial, after it complete.
-    committed = point in ("before_latest", "after_latest", "during_purge")
-    expected = step if committed else step - EVERY
-    [resume] = resumes(run.run_dir)
-    assert resume["checkpoint"] == ckpt.checkpoint_name(expected)
-    assert resume["step"] == expected
-    figures = check_against_clean(run, clean, marker.stat().st_mtime)
-    figures |= {"point": point, "step": step, "rank": rank, "resumed_from": expected}
-    record_row("kill_during_save", "points", figures, ("point",))
+    committed = ("before_latest", "after_latest", "during_purge")
+    expected = [f.step if f.point in committed else f.step - EVERY for f in kills]
+    resumed = resumes(run.run_dir)
+    assert [r["checkpoint"] for r in resumed] == [ckpt.checkpoint_name(s) for s in expected]
+    assert [r["step"] for r in resumed] == expected
+    figures = check_against_clean(run, clean, kills[0].marker.stat().st_mtime)
+    times = history(run.run_dir)["times"]
+    for fault, resumed_from in zip(kills, expected, strict=True):
+        killed_at = fault.marker.stat().st_mtime
+        figures |= {"recover_s": recover_s(times, killed_at), "point": fault.point}
+        figures |= {"step": fault.step, "rank": fault.rank, "resumed_from": resumed_from}
+        record_row("kill_during_save", "points", dict(figures), ("point",))
 
 
 def test_more_faults_than_max_failures_end_the_run_with_the_error(

@@ -5,7 +5,8 @@ a checkpoint save; the purge of old checkpoints), the step at which it fires and
 dies. The worker kills itself with SIGKILL there, so the fault is the real thing (no exception,
 no clean-up, no flushed buffers), placed exactly where a random external kill only lands by luck.
 It fires once per plan: the dying process first creates the plan's marker file, and a restarted
-attempt that reaches the same point finds the marker and carries on.
+attempt that reaches the same point finds the marker and carries on. A plan may name a further
+one (`then`, with its own marker), so one run takes several faults, each resumed from.
 
 Plans reach workers inside `WorkerJob` (`pretrain_stage(..., control=RunControl(fault=plan))`);
 nothing reads the environment, so a stray variable can never kill a production run.
@@ -18,7 +19,7 @@ import signal
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 # The save protocol in order (training/pretrain/loop.py `Worker.save`): every rank writes its
 # DeepSpeed shards and RNG file; rank 0 writes meta.json (the commit); rank 0 moves the `latest`
@@ -37,12 +38,33 @@ class FaultPlan(BaseModel):
     step: int
     rank: int = 0
     marker: Path  # created just before the kill; its presence disarms the plan
+    then: FaultPlan | None = None  # a further fault of the same run
+
+    @model_validator(mode="after")
+    def _markers_differ(self) -> FaultPlan:
+        markers = [p.marker for p in chain(self)]
+        if len(set(markers)) != len(markers):
+            raise ValueError("each fault of a chain needs its own marker file")
+        return self
+
+
+def chain(plan: FaultPlan | None) -> list[FaultPlan]:
+    """`plan` and the plans it names (`then`), in order."""
+    plans: list[FaultPlan] = []
+    while plan is not None:
+        plans.append(plan)
+        plan = plan.then
+    return plans
 
 
 def hit(plan: FaultPlan | None, point: FaultPoint, step: int, rank: int) -> None:
-    """SIGKILL this process if `plan` names this point, step and rank and has not fired yet."""
-    if plan is None or (plan.point, plan.step, plan.rank) != (point, step, rank):
-        return
+    """SIGKILL this process if a plan of `plan`'s chain names this point, step and rank unfired."""
+    for each in chain(plan):
+        if (each.point, each.step, each.rank) == (point, step, rank):
+            _fire(each, point, step, rank)
+
+
+def _fire(plan: FaultPlan, point: FaultPoint, step: int, rank: int) -> None:
     try:
         fd = os.open(plan.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
