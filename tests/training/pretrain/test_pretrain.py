@@ -1,8 +1,13 @@
 """Pretraining acceptance on the demo corpus: learning, ZeRO-3 export, registry, resume, kills.
 
-Real Ray Train (2 workers), real DeepSpeed on CPU, real MLflow (SQLite): the session's Ray and
-MLflow store are shared (tests/conftest.py). The bf16 resume runs the loop in this process
-(local_runs.py), as its GPU twin in test_gpu.py does.
+Real DeepSpeed on CPU, real MLflow (SQLite), the session's Ray and MLflow store
+(tests/conftest.py). The tiny models that learn (and the teachers, exports and evaluations the
+later tests take from them) and the distilled student train one worker in this process
+(`train.scale.launcher` auto), without a Ray Train start each; learning is not what two ranks
+change. ZeRO-3 needs 2 ranks: its run is on 2 Ray Train workers, exported, and the reference
+of the stop-and-resume test, whose stopped and resumed runs (the latter from a new process)
+are on 2 Ray Train workers too. The bf16 resume runs the loop in this process (local_runs.py),
+as its GPU twin in test_gpu.py does.
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ import math
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +42,15 @@ _FAMILY = {"bert": "bert", "causal": "gpt2", "span_corruption": "t5"}
 _RUNS: dict[str, dict[str, Any]] = {}
 
 
-def train_config(family: str, storage: Path, **extra: Any) -> TrainConfig:
+# One worker trains in this process (`train.scale.launcher` auto, docs/pretraining.md): no Ray
+# Train start. Two workers run on the session's Ray, for what needs two ranks or Ray Train.
+ONE_WORKER = {"num_workers": 1, "threads_per_worker": 2, "max_failures": 0}
+TWO_WORKERS = {"num_workers": 2, "max_failures": 2}
+
+
+def train_config(
+    family: str, storage: Path, scale: dict[str, Any] = TWO_WORKERS, **extra: Any
+) -> TrainConfig:
     base: dict[str, Any] = {
         "model": {"family": family, "size": "tiny"},
         "max_steps": 40,
@@ -49,7 +61,7 @@ def train_config(family: str, storage: Path, **extra: Any) -> TrainConfig:
         "optim": {"lr": 3e-3, "warmup_steps": 4},
         "checkpoint": {"every_steps": 20, "storage_path": str(storage)},
         "eval": {"every_steps": 20, "max_samples": 96},
-        "scale": {"num_workers": 2, "max_failures": 2},
+        "scale": dict(scale),
     }
     for key, value in extra.items():
         node = base
@@ -84,7 +96,7 @@ def trained(objective: str, demo_data: Any, tmp_root: Path, mlflow_uri: str) -> 
     if objective not in _RUNS:
         data = demo_data.examples(objective)
         storage = tmp_root / f"runs-{objective}"
-        cfg = train_config(_FAMILY[objective], storage)
+        cfg = train_config(_FAMILY[objective], storage, ONE_WORKER)
         summary = demo_data.pretrain(cfg, data, tmp_root / "ws", mlflow_uri, f"acc-{objective}")
         _RUNS[objective] = {"summary": summary, "cfg": cfg, **data}
     return _RUNS[objective]
@@ -123,15 +135,27 @@ def test_tiny_model_learns_more_than_word_frequencies(
     assert card.family == _FAMILY[objective]
 
 
-def test_zero3_run_exports_and_passes_the_reload_check(
-    demo_data: Any, tmp_root: Path, mlflow_uri: str
-) -> None:
+# The resume test's runs: ZeRO-3 on 2 Ray workers, whose weights, gradients and optimizer state
+# are all partitioned across the ranks; checkpoints at 4 and 8.
+RESUMED = {"zero_stage": 3, "max_steps": 8, "checkpoint.every_steps": 4, "eval.every_steps": 8}
+
+
+@pytest.fixture(scope="module")
+def zero3_whole(demo_data: Any, tmp_root: Path, mlflow_uri: str) -> dict[str, Any]:
+    """The uninterrupted ZeRO-3 run, exported and registered (in MLflow).
+
+    The ZeRO-3 export test checks its export; the resume test compares a stopped and resumed
+    run of the same config with it.
+    """
     data = demo_data.examples("bert")
-    cfg = train_config("bert", tmp_root / "runs-zero3", zero_stage=3, max_steps=4)
+    cfg = train_config("bert", tmp_root / "whole", **RESUMED)
     ray_cfg = RayConfig(num_workers=2, num_cpus=4)
     ctx = RunContext(tmp_root / "ws", 0, ray_cfg, tracking(mlflow_uri), "acc-zero3")
-    summary = pretrain_stage(cfg, data["examples"], data["tokenizer"], run=ctx)
-    export = Path(summary["export_dir"])
+    return pretrain_stage(cfg, data["examples"], data["tokenizer"], run=ctx)
+
+
+def test_zero3_run_exports_and_passes_the_reload_check(zero3_whole: dict[str, Any]) -> None:
+    export = Path(zero3_whole["export_dir"])
     assert (export / "model.safetensors").is_file()
     assert (export / "README.md").is_file()
     assert not list(export.glob("*.bin"))
@@ -206,19 +230,21 @@ def test_exported_generators_answer_generate_from_the_registry(
 
 
 def test_run_stopped_at_step_k_resumes_in_a_new_process_with_identical_losses(
-    demo_data: Any, tmp_root: Path, ray_session: str, prefect_api: str, tmp_path: Path
+    zero3_whole: dict[str, Any],
+    demo_data: Any,
+    tmp_root: Path,
+    ray_session: str,
+    prefect_api: str,
+    tmp_path: Path,
 ) -> None:
     data = demo_data.examples("bert")
-    extra = {"max_steps": 8, "checkpoint.every_steps": 4, "eval.every_steps": 8}
     ray_cfg = RayConfig(num_workers=2, num_cpus=4)
     args = (data["examples"], data["tokenizer"])
     off = TrackingConfig(enabled=False)
-    ctx = RunContext(tmp_root / "ws", seed=0, ray=ray_cfg, tracking=off, name="w")
-    whole = pretrain_stage(train_config("bert", tmp_root / "whole", **extra), *args, run=ctx)
-    cfg = train_config("bert", tmp_root / "stopped", **extra)
-    stopped = pretrain_stage(
-        cfg, *args, run=replace(ctx, name="s"), control=RunControl(stop_at_step=4)
-    )
+    ctx = RunContext(tmp_root / "ws", seed=0, ray=ray_cfg, tracking=off, name="s")
+    whole = zero3_whole  # the same config, uninterrupted
+    cfg = train_config("bert", tmp_root / "stopped", **RESUMED)
+    stopped = pretrain_stage(cfg, *args, run=ctx, control=RunControl(stop_at_step=4))
     assert stopped["step"] == 4
     assert not stopped["finished"]
     script = (
@@ -298,7 +324,7 @@ def test_evaluate_reproduces_the_last_held_out_evaluation_and_probes_the_export(
     last = evals[max(evals)]
     # The loop evaluated the first min(split, eval.max_samples) samples, cut to whole ranks.
     count = min(len(ExampleShards(run["examples"], "validation", verify=False)), 96)
-    count -= count % 2
+    count -= count % run["cfg"].scale.num_workers
     intrinsic = IntrinsicConfig(heldout_max_samples=count, prompts=["Alice"])
     cfg = EvaluateConfig(intrinsic=intrinsic)
     result = evaluate_model(
@@ -329,6 +355,7 @@ def test_distilled_student_has_half_the_teachers_layers_and_learns(
     cfg = train_config(
         "distilbert",
         tmp_path / "runs",
+        ONE_WORKER,
         max_steps=24,
         **{
             "checkpoint.every_steps": 24,
