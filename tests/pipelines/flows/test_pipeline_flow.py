@@ -1,7 +1,7 @@
 """The `pipeline` flow end to end: every stage once, cached reruns, nested MLflow runs.
 
 Real Prefect (the session API), Ray and MLflow on SQLite, on the demo recipe shortened to a few
-pretraining steps and one fine-tuning epoch.
+pretraining steps (one worker, in this process) and one fine-tuning epoch.
 """
 
 from __future__ import annotations
@@ -80,6 +80,11 @@ def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed
         "train.max_steps=8",  # the whole pipeline runs; the recipe's length is not the point
         "train.checkpoint.every_steps=4",
         "train.eval.every_steps=4",
+        # One worker in this process (the launcher's `auto`): the stages, caching and MLflow
+        # nesting are the point, not Ray Train, whose start costs 20-30 s a run here;
+        # 2-worker pretraining runs in test_progress_cli.py and test_submit.py.
+        "train.scale.num_workers=1",
+        "train.scale.max_failures=0",
         "finetune.epochs=1",
     ]
     cfg = load_config(RECIPE, overrides)
