@@ -39,17 +39,37 @@ ATTENTION = "sdpa"
 
 @dataclasses.dataclass(frozen=True)
 class FamilySpec:
-    """One family: its transformers classes, the examples it trains on, and its kind."""
+    """One family: its transformers classes, the examples it trains on, and its kind.
 
-    config: type[tf.PreTrainedConfig]
-    model: type[tf.PreTrainedModel]  # the pretraining class (what an export holds)
-    auto: type[Any]  # the Auto class that reloads an export
+    The classes are held by name and resolved on first use (`config`, `model`, `auto`): a
+    family's modeling module costs 0.1-0.5 s to import, and a process (a Ray Train worker
+    above all) builds one family, not the fifteen.
+    """
+
+    config_name: str  # the transformers config class
+    model_name: str  # the pretraining class (what an export holds)
+    auto_name: str  # the Auto class that reloads an export
     objectives: tuple[str, ...]
     kind: Kind
     preset: str  # its name in training/models/presets.py
     dropouts: tuple[str, ...]
     positions: str | None  # the config field of the position table; None: no table to overflow
     attention: str = ATTENTION
+
+    @property
+    def config(self) -> type[tf.PreTrainedConfig]:
+        """The family's transformers config class."""
+        return getattr(tf, self.config_name)  # type: ignore[no-any-return]
+
+    @property
+    def model(self) -> type[tf.PreTrainedModel]:
+        """The family's pretraining class (what an export holds)."""
+        return getattr(tf, self.model_name)  # type: ignore[no-any-return]
+
+    @property
+    def auto(self) -> type[Any]:
+        """The `AutoModelFor...` class that reloads an export."""
+        return getattr(tf, self.auto_name)  # type: ignore[no-any-return]
 
 
 _BERT_DROPOUTS = ("hidden_dropout_prob", "attention_probs_dropout_prob")
@@ -58,9 +78,9 @@ _POS = "max_position_embeddings"
 
 FAMILIES: dict[Family, FamilySpec] = {
     "bert": FamilySpec(
-        tf.BertConfig,
-        tf.BertForPreTraining,
-        tf.AutoModelForPreTraining,
+        "BertConfig",
+        "BertForPreTraining",
+        "AutoModelForPreTraining",
         ("bert", "sop"),
         "encoder",
         "bert",
@@ -68,9 +88,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         _POS,
     ),  # SOP reuses BERT's binary next-sentence head
     "roberta": FamilySpec(
-        tf.RobertaConfig,
-        tf.RobertaForMaskedLM,
-        tf.AutoModelForMaskedLM,
+        "RobertaConfig",
+        "RobertaForMaskedLM",
+        "AutoModelForMaskedLM",
         ("roberta",),
         "encoder",
         "roberta",
@@ -78,9 +98,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         _POS,
     ),
     "gpt2": FamilySpec(
-        tf.GPT2Config,
-        tf.GPT2LMHeadModel,
-        tf.AutoModelForCausalLM,
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        "AutoModelForCausalLM",
         ("causal",),
         "decoder",
         "gpt2",
@@ -88,9 +108,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         "n_positions",
     ),
     "llama": FamilySpec(
-        tf.LlamaConfig,
-        tf.LlamaForCausalLM,
-        tf.AutoModelForCausalLM,
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        "AutoModelForCausalLM",
         ("causal",),
         "decoder",
         "llama",
@@ -98,9 +118,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         _POS,
     ),
     "t5": FamilySpec(
-        tf.T5Config,
-        tf.T5ForConditionalGeneration,
-        tf.AutoModelForSeq2SeqLM,
+        "T5Config",
+        "T5ForConditionalGeneration",
+        "AutoModelForSeq2SeqLM",
         ("span_corruption",),
         "seq2seq",
         "t5",
@@ -108,9 +128,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         None,
     ),
     "albert": FamilySpec(
-        tf.AlbertConfig,
-        tf.AlbertForPreTraining,
-        tf.AutoModelForPreTraining,
+        "AlbertConfig",
+        "AlbertForPreTraining",
+        "AutoModelForPreTraining",
         ("sop",),
         "encoder",
         "albert",
@@ -118,9 +138,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         _POS,
     ),
     "distilbert": FamilySpec(
-        tf.DistilBertConfig,
-        tf.DistilBertForMaskedLM,
-        tf.AutoModelForMaskedLM,
+        "DistilBertConfig",
+        "DistilBertForMaskedLM",
+        "AutoModelForMaskedLM",
         ("roberta",),
         "encoder",
         "distilbert",
@@ -129,9 +149,9 @@ FAMILIES: dict[Family, FamilySpec] = {
     ),
     # The discriminator is the model; its generator lives in training/models/electra.py.
     "electra": FamilySpec(
-        tf.ElectraConfig,
-        tf.ElectraForPreTraining,
-        tf.AutoModelForPreTraining,
+        "ElectraConfig",
+        "ElectraForPreTraining",
+        "AutoModelForPreTraining",
         ("roberta",),
         "encoder",
         "electra",
@@ -139,9 +159,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         _POS,
     ),
     "deberta-v2": FamilySpec(
-        tf.DebertaV2Config,
-        tf.DebertaV2ForMaskedLM,
-        tf.AutoModelForMaskedLM,
+        "DebertaV2Config",
+        "DebertaV2ForMaskedLM",
+        "AutoModelForMaskedLM",
         ("roberta",),
         "encoder",
         "deberta",
@@ -150,9 +170,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         "eager",  # disentangled attention has no SDPA path
     ),
     "bart": FamilySpec(
-        tf.BartConfig,
-        tf.BartForConditionalGeneration,
-        tf.AutoModelForSeq2SeqLM,
+        "BartConfig",
+        "BartForConditionalGeneration",
+        "AutoModelForSeq2SeqLM",
         ("denoising",),
         "seq2seq",
         "bart",
@@ -160,9 +180,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         _POS,
     ),
     "mistral": FamilySpec(
-        tf.MistralConfig,
-        tf.MistralForCausalLM,
-        tf.AutoModelForCausalLM,
+        "MistralConfig",
+        "MistralForCausalLM",
+        "AutoModelForCausalLM",
         ("causal",),
         "decoder",
         "mistral",
@@ -170,9 +190,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         _POS,
     ),
     "mixtral": FamilySpec(
-        tf.MixtralConfig,
-        tf.MixtralForCausalLM,
-        tf.AutoModelForCausalLM,
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        "AutoModelForCausalLM",
         ("causal",),
         "decoder",
         "mixtral",
@@ -180,9 +200,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         _POS,
     ),
     "xlm-roberta": FamilySpec(
-        tf.XLMRobertaConfig,
-        tf.XLMRobertaForMaskedLM,
-        tf.AutoModelForMaskedLM,
+        "XLMRobertaConfig",
+        "XLMRobertaForMaskedLM",
+        "AutoModelForMaskedLM",
         ("roberta",),
         "encoder",
         "xlmr",
@@ -191,9 +211,9 @@ FAMILIES: dict[Family, FamilySpec] = {
     ),
     # Longformer and BigBird have no SDPA path: their sparse attention is their own kernel.
     "longformer": FamilySpec(
-        tf.LongformerConfig,
-        tf.LongformerForMaskedLM,
-        tf.AutoModelForMaskedLM,
+        "LongformerConfig",
+        "LongformerForMaskedLM",
+        "AutoModelForMaskedLM",
         ("roberta",),
         "encoder",
         "longformer",
@@ -202,9 +222,9 @@ FAMILIES: dict[Family, FamilySpec] = {
         "eager",
     ),
     "big_bird": FamilySpec(
-        tf.BigBirdConfig,
-        tf.BigBirdForMaskedLM,
-        tf.AutoModelForMaskedLM,
+        "BigBirdConfig",
+        "BigBirdForMaskedLM",
+        "AutoModelForMaskedLM",
         ("roberta",),
         "encoder",
         "bigbird",
@@ -246,6 +266,17 @@ def check_objective(family: Family, objective: str) -> None:
     )
 
 
+def is_a(obj: object, class_name: str) -> bool:
+    """`isinstance(obj, getattr(transformers, class_name))`, without importing that class.
+
+    Only a class in `obj`'s MRO with that name is resolved: a check against a family this
+    process never built then costs nothing, not its modeling module's import.
+    """
+    return any(
+        cls.__name__ == class_name and cls is getattr(tf, class_name) for cls in type(obj).__mro__
+    )
+
+
 def model_class(family: Family) -> type[tf.PreTrainedModel]:
     """The `transformers` pretraining class of `family` (e.g. `BertForPreTraining`)."""
     return FAMILIES[family].model
@@ -257,8 +288,10 @@ def family_of(config: tf.PreTrainedConfig) -> Family:
     Raises:
         ModelConfigError: the config is of another model type.
     """
+    name = type(config).__name__
     for family, spec in FAMILIES.items():
-        if type(config) is spec.config:  # exact: no subclass of another family
+        # exact: no subclass of another family (by name first: no other family's import)
+        if name == spec.config_name and type(config) is spec.config:
             return family
     raise ModelConfigError(f"{type(config).__name__} is none of the families {list(FAMILIES)}")
 

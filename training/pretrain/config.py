@@ -33,7 +33,7 @@ from training.registry.model_ref import BaseModelRef
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # The test-only switch of `assume_no_native_bf16` (docs/testing.md).
 NO_NATIVE_BF16_ENV = "LMPIPE_ASSUME_NO_NATIVE_BF16"
-_X86 = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
+X86_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
 
 
 def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
@@ -91,7 +91,7 @@ def cpu_has_native_bf16() -> bool:
     flags = _linux_cpu_flags()
     if flags is not None:
         return bool(flags & NATIVE_BF16_FLAGS)
-    if platform.machine().lower() not in _X86:
+    if platform.machine().lower() not in X86_MACHINES:
         return False
     return torch_has_native_bf16()
 

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 import transformers as tf
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
-from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from tasks.common import schema
 from training.models.attention import uses_document_flex
@@ -109,6 +108,9 @@ def _experts_on_documents(
     has no padding, so the base model runs here and the loss counts every token, as the
     model's own does without a mask.
     """
+    # Here, not at the top: Mixtral's modeling module is for Mixtral runs only.
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
     out = model.model(**inputs, output_router_logits=True)
     logits = mask_padded_vocab(model.lm_head(out.last_hidden_state), model.config)  # (B, T, V)
     experts, top_k = model.config.num_local_experts, model.config.num_experts_per_tok

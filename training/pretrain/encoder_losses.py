@@ -8,6 +8,7 @@ docs/models.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from tasks.common import schema
 from training.models.distill import DistillationModel
 from training.models.electra import ElectraPretrainer, corrupt
-from training.models.models import family_of
+from training.models.models import family_of, is_a
 from training.models.vocab import mask_padded_vocab
 from training.pretrain.data import MASKED_POSITIONS
 from training.pretrain.loss_common import (
@@ -138,7 +139,7 @@ def mlm_hidden_and_logits(
     require(batch, schema.INPUT_IDS, schema.LABELS)
     ids = batch[schema.INPUT_IDS]
     extra = {}
-    if isinstance(model, tf.LongformerForMaskedLM):
+    if is_a(model, "LongformerForMaskedLM"):
         # Global attention on the first token (<s>), so the global projections a fine-tuned
         # classifier uses for it are trained too; every other token attends locally.
         extra["global_attention_mask"] = F.pad(
@@ -148,10 +149,11 @@ def mlm_hidden_and_logits(
     out = model.base_model(input_ids=ids, attention_mask=mask, **extra)
     hidden = out.last_hidden_state  # (B, T, D)
     head: nn.Module | str
-    if isinstance(model, tf.DistilBertForMaskedLM):
-        head = _distilbert_head(model)
-    elif isinstance(model, tf.ElectraForMaskedLM):  # ELECTRA's generator
-        head = nn.Sequential(model.generator_predictions, model.generator_lm_head)
+    if is_a(model, "DistilBertForMaskedLM"):
+        head = _distilbert_head(cast("tf.DistilBertForMaskedLM", model))
+    elif is_a(model, "ElectraForMaskedLM"):  # ELECTRA's generator
+        generator = cast("tf.ElectraForMaskedLM", model)
+        head = nn.Sequential(generator.generator_predictions, generator.generator_lm_head)
     else:
         head = _MLM_HEADS[family_of(model.config)]
     positions = batch.get(MASKED_POSITIONS)

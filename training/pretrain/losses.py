@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import transformers as tf
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 from tasks.common import schema
 from training.models.distill import DistillationModel
 from training.models.electra import ElectraPretrainer
+from training.models.models import is_a
 from training.pretrain.decoder_losses import causal_loss, seq2seq_loss
 from training.pretrain.encoder_losses import (
     PAIR_LABELS,
@@ -105,12 +107,13 @@ def export_loss(
     uncorrupted batch (no generator in the export), every real token labelled original.
     """
     exported = exported_model(model)
-    if isinstance(exported, tf.ElectraForPreTraining):
+    if is_a(exported, "ElectraForPreTraining"):
         require(batch, schema.INPUT_IDS, schema.LABELS)
         original = torch.where(
             batch[schema.LABELS] != IGNORE_INDEX, batch[schema.LABELS], batch[schema.INPUT_IDS]
         )
-        loss, _ = rtd_loss(exported, original, torch.zeros_like(original).float(), batch)
+        electra = cast("tf.ElectraForPreTraining", exported)
+        loss, _ = rtd_loss(electra, original, torch.zeros_like(original).float(), batch)
         return loss
     return pretraining_loss(exported, objective, batch, sparse_mlm).loss
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -42,8 +44,7 @@ def initialize_deepspeed(
     `zero3_leaves`: module classes ZeRO-3 gathers whole instead of hooking their children
     (a mixture of experts' sparse blocks, `training.models.pretraining_model.zero3_leaf_modules`).
     """
-    import deepspeed
-
+    deepspeed = import_deepspeed()
     skip_cpu_shm_op()
     if zero3_leaves:
         from deepspeed.utils import set_z3_leaf_modules
@@ -51,6 +52,26 @@ def initialize_deepspeed(
         set_z3_leaf_modules(model, zero3_leaves)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     return engine
+
+
+def import_deepspeed() -> ModuleType:
+    """`import deepspeed`, without the import of MLflow that DeepSpeed's autotuner tries.
+
+    DeepSpeed's runtime config imports `deepspeed.autotuning`, whose autotuner does
+    `import mlflow` and carries on without it: 1.2-1.8 s of every worker's start, for a tool
+    (`deepspeed --autotuning`) that lmpipe never runs. While DeepSpeed is first imported, a
+    process that has not imported MLflow yet has the import refused (`None` in `sys.modules`,
+    Python's documented way), so DeepSpeed is loaded without it; MLflow stays importable
+    afterwards, for the tracker of rank 0 as for anything else.
+    """
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        return importlib.import_module("deepspeed")
+    sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        return importlib.import_module("deepspeed")
+    finally:
+        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
 
 
 def skip_cpu_shm_op() -> None:

@@ -22,6 +22,7 @@ from training.models.models import (
     check_objective,
     count_parameters,
     family_of,
+    is_a,
     model_class,
     model_config_for,
 )
@@ -255,3 +256,29 @@ def test_deberta_fields_read_by_getattr_are_accepted_as_overrides() -> None:
         model_config_for(
             ModelConfig(family="deberta", overrides={"position_bucket": 128}), 1024, SPECIALS, 128
         )
+
+
+def test_is_a_answers_isinstance_by_class_name_and_identity() -> None:
+    config = tf.BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2)
+    model = tf.BertForMaskedLM(config)
+
+    class Mine(tf.BertForMaskedLM):  # a subclass is an instance, as for isinstance
+        pass
+
+    class BertForPreTraining(torch.nn.Module):  # the name alone is not enough
+        pass
+
+    assert is_a(model, "BertForMaskedLM")
+    assert is_a(Mine(config), "BertForMaskedLM")
+    assert is_a(model, "PreTrainedModel")
+    assert not is_a(model, "LongformerForMaskedLM")
+    assert not is_a(BertForPreTraining(), "BertForPreTraining")
+    assert is_a(config, "BertConfig")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_names_its_classes_and_family_of_finds_it(family: Family) -> None:
+    spec = MODEL_FAMILIES[family]
+    assert (spec.config.__name__, spec.model.__name__) == (spec.config_name, spec.model_name)
+    assert spec.auto.__name__ == spec.auto_name
+    assert family_of(spec.config()) == family

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.runtime.telemetry import datasheet_peak, measure_peak_flops, peak_flops
+from training.pretrain.config import NO_NATIVE_BF16_ENV
+from training.runtime import telemetry
+from training.runtime.telemetry import _PEAK_CACHE, datasheet_peak, measure_peak_flops, peak_flops
 
 
 @pytest.mark.parametrize(
@@ -37,3 +39,19 @@ def test_a_cpu_peak_is_measured_in_the_training_dtype() -> None:
     assert source == "measured"
     assert peak == measure_peak_flops(torch.float32)  # cached: measured once per process
     assert 1e9 < peak < 1e13  # a CPU: GFLOP/s to a few TFLOP/s
+
+
+def test_an_emulated_bf16_peak_is_fp32s_without_measuring_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An x86 CPU without AVX512-BF16 or AMX-BF16: its 1024^3 bf16 product takes seconds (12-25 s
+    # for the measurement), and the maximum with fp32 is fp32's anyway.
+    monkeypatch.delenv(NO_NATIVE_BF16_ENV, raising=False)
+    monkeypatch.setattr(telemetry.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(telemetry, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.delitem(_PEAK_CACHE, torch.bfloat16, raising=False)
+    assert peak_flops(torch.bfloat16, use_gpu=False) == (
+        measure_peak_flops(torch.float32),
+        "measured",
+    )
+    assert torch.bfloat16 not in _PEAK_CACHE  # not measured
