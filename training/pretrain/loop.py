@@ -30,7 +30,6 @@ from training.models.pretraining_model import build_pretraining_model, zero3_lea
 from training.pretrain.audit import log_sample_ids, write_pid
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import (
-    MASKED_POSITIONS,
     BatchBuilder,
     Cursor,
     ExampleShards,
@@ -47,6 +46,7 @@ from training.pretrain.losses import (
     export_loss,
     exported_model,
     pretraining_loss,
+    varying_masked_positions,
 )
 from training.pretrain.prefetch import Prefetcher, StepPlan
 from training.registry.tracking import MlflowTracker, NullTracker, Tracker
@@ -100,25 +100,6 @@ def run_worker(job: WorkerJob, ctx: WorkerContext) -> dict[str, float]:
     torch.set_num_threads(job.train.scale.threads_per_worker)
     worker = Worker(job, ctx)
     return worker.run()
-
-
-def _varying_positions(
-    loss: Callable[[dict[str, torch.Tensor], bool], StepOutput],
-) -> Callable[[dict[str, torch.Tensor], bool], StepOutput]:
-    """`loss` (compiled) with a masked-LM batch's count of masked positions marked dynamic.
-
-    The count differs from batch to batch. Unmarked, Dynamo builds a graph for the first
-    batch's count, then recompiles it as dynamic at the second batch: two Inductor builds where
-    one gives the same graph (the first step of a compiled bf16 BERT on CPU, twice).
-    """
-
-    def call(batch: dict[str, torch.Tensor], sparse_mlm: bool) -> StepOutput:
-        positions = batch.get(MASKED_POSITIONS)
-        if positions is not None:
-            torch._dynamo.maybe_mark_dynamic(positions, 0)  # (M,): M varies
-        return loss(batch, sparse_mlm)
-
-    return call
 
 
 def _seed_for(seed: int, rank: int) -> int:
@@ -201,7 +182,7 @@ class Worker:
         ):
             # One graph from the ids to the loss: the padded-vocabulary masking, the float cast
             # and the cross-entropy fuse instead of each writing a (tokens x vocabulary) tensor.
-            self.loss = _varying_positions(torch.compile(self.loss))
+            self.loss = varying_masked_positions(torch.compile(self.loss))
         elif self.cfg.compile:  # ZeRO 3's gather hooks run around each module's forward
             for child in self.engine.module.children():
                 child.compile()

@@ -10,7 +10,7 @@ tracking lives here. Definitions are in docs/models.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import cast
 
 import torch
@@ -21,6 +21,7 @@ from tasks.common import schema
 from training.models.distill import DistillationModel
 from training.models.electra import ElectraPretrainer
 from training.models.models import is_a
+from training.pretrain.data import MASKED_POSITIONS
 from training.pretrain.decoder_losses import causal_loss, seq2seq_loss
 from training.pretrain.encoder_losses import (
     PAIR_LABELS,
@@ -157,3 +158,22 @@ def eval_metrics(sums: Mapping[str, float]) -> dict[str, float]:
     if losses:
         metrics["loss"] = sum(losses)
     return metrics
+
+
+def varying_masked_positions(
+    loss: Callable[[dict[str, torch.Tensor], bool], StepOutput],
+) -> Callable[[dict[str, torch.Tensor], bool], StepOutput]:
+    """`loss` (compiled) with a masked-LM batch's count of masked positions marked dynamic.
+
+    The count differs from batch to batch. Unmarked, Dynamo builds a graph for the first
+    batch's count, then recompiles it as dynamic at the second batch: two Inductor builds where
+    one gives the same graph (the first step of a compiled bf16 BERT on CPU, twice).
+    """
+
+    def call(batch: dict[str, torch.Tensor], sparse_mlm: bool) -> StepOutput:
+        positions = batch.get(MASKED_POSITIONS)
+        if positions is not None:
+            torch._dynamo.maybe_mark_dynamic(positions, 0)  # (M,): M varies
+        return loss(batch, sparse_mlm)
+
+    return call
