@@ -47,6 +47,10 @@ WORKING_DIR_EXCLUDES = (
     "mlartifacts/",
     "*.db",
     "tests/",
+    "test-artifacts/",
+    ".hypothesis/",
+    ".gpudata/",
+    "infra/.env",  # the servers' secrets (docs/operations.md): never shipped to a cluster
 )
 
 # Service endpoints the job inherits when set here. Secrets (PREFECT_API_KEY,

@@ -307,8 +307,6 @@ def test_registry_model_with_pickle_weights_is_refused(
 
 # Allowed exceptions: (file, enclosing function, call). Each one runs only on a checkpoint
 # that `training.runtime.checkpoint.validate` has just hashed against its meta.json.
-# TODO(security): training/pretrain/loop.py can pass weights_only=True (see
-# test_rng_state_round_trips_with_weights_only); drop this entry when it does (#8).
 ALLOWED: set[tuple[str, str, str]] = set()  # every torch.load in the tree is weights_only
 _UNSAFE_CALLS = {
     "pickle.load",

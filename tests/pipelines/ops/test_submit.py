@@ -38,6 +38,7 @@ import pytest
 import yaml
 
 from pipelines.ops.submit import (
+    WORKING_DIR_EXCLUDES,
     SubmitError,
     build_entrypoint,
     build_runtime_env,
@@ -547,6 +548,13 @@ def test_runtime_env_ships_project_without_outputs_or_secrets() -> None:
         "PREFECT_API_URL": "http://p:4200/api",
         "X": "1",
     }
+
+
+def test_excludes_repeat_gitignore_except_the_compiled_extension() -> None:
+    lines = (REPO / ".gitignore").read_text().splitlines()
+    ignored = {line.strip().lstrip("/") for line in lines if line.strip() and line[0] != "#"}
+    assert ignored - {"*.so"} <= set(WORKING_DIR_EXCLUDES), ignored - set(WORKING_DIR_EXCLUDES)
+    assert "*.so" not in WORKING_DIR_EXCLUDES  # the job imports the C extension
 
 
 # --- infra manifests --------------------------------------------------------------------------
