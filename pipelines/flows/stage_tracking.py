@@ -30,6 +30,7 @@ from prefect.context import FlowRunContext
 
 from pipelines.config import RunConfig
 from tasks.common.io import atomic_writer, fingerprint, public_dump
+from training.registry.local_store import local_store_uri
 from training.registry.tracking import DatasetRef, MlflowTracker, tracked_run
 
 log = logging.getLogger(__name__)
@@ -90,9 +91,16 @@ def run_record(cfg: RunConfig, result: dict[str, Any]) -> Path:
     `<workspace>/mlflow-runs/<stage>-<fingerprint>-<digest>.json`; the digest is over the
     tracking URI, the experiment and the output's path, so another store (the temporary
     SQLite one, a server) or experiment has its own record. The URI itself, which may carry a
-    password, is not written.
+    password, is not written. The workspace's own store and an output inside the workspace are
+    named without the workspace's place, so a copied or moved workspace, whose store moves
+    with it (`training.registry.local_store`), finds its records.
     """
-    where = "\n".join([str(cfg.tracking.tracking_uri), cfg.tracking.experiment, result["path"]])
+    workspace = Path(cfg.workspace)
+    uri = str(cfg.tracking.tracking_uri)
+    store = "<workspace>" if uri == local_store_uri(workspace) else uri
+    out = Path(result["path"])
+    place = out.relative_to(workspace).as_posix() if out.is_relative_to(workspace) else str(out)
+    where = "\n".join([store, cfg.tracking.experiment, place])
     digest = hashlib.sha256(where.encode()).hexdigest()[:12]
     name = f"{result['stage']}-{result['fingerprint']}-{digest}.json"
     return Path(cfg.workspace) / RUNS_DIR / name

@@ -88,7 +88,7 @@ def ingest_step(cfg: RunConfig, stages: Stages) -> Stages:
     if cfg.ingest is None:
         raise ConfigError("this command needs an `ingest` section (the corpus to read)")
     state = cached(ingest_task, cfg)(cfg.ingest, cfg.ray, str(cfg.workspace), return_state=True)
-    return _tracked(cfg, stage_summary(state))
+    return _tracked(cfg, stage_summary(state, cfg.workspace))
 
 
 def decontaminate_step(cfg: RunConfig, stages: Stages) -> Stages:
@@ -98,14 +98,14 @@ def decontaminate_step(cfg: RunConfig, stages: Stages) -> Stages:
     task = cached(decontaminate_task, cfg)
     ingest = stages["ingest"]["path"]
     state = task(cfg.decontaminate, ingest, str(cfg.workspace), return_state=True)
-    return _tracked(cfg, stage_summary(state))
+    return _tracked(cfg, stage_summary(state, cfg.workspace))
 
 
 def tokenizer_step(cfg: RunConfig, stages: Stages) -> Stages:
     """Train or load the tokenizer on the corpus."""
     task = cached(tokenizer_task, cfg)
     state = task(cfg.tokenizer, corpus_path(stages), str(cfg.workspace), return_state=True)
-    return _tracked(cfg, stage_summary(state))
+    return _tracked(cfg, stage_summary(state, cfg.workspace))
 
 
 def encode_step(cfg: RunConfig, stages: Stages) -> Stages:
@@ -114,7 +114,7 @@ def encode_step(cfg: RunConfig, stages: Stages) -> Stages:
     task = cached(encode_task, cfg)
     corpus, workspace = corpus_path(stages), str(cfg.workspace)
     state = task(cfg.encode, cfg.ray, corpus, tokenizer, workspace, return_state=True)
-    return _tracked(cfg, stage_summary(state))
+    return _tracked(cfg, stage_summary(state, cfg.workspace))
 
 
 def examples_step(cfg: RunConfig, stages: Stages) -> Stages:
@@ -123,7 +123,7 @@ def examples_step(cfg: RunConfig, stages: Stages) -> Stages:
     task = cached(examples_task, cfg)
     workspace = str(cfg.workspace)
     state = task(cfg.examples, cfg.seed, cfg.ray, encode, tokenizer, workspace, return_state=True)
-    return _tracked(cfg, stage_summary(state))
+    return _tracked(cfg, stage_summary(state, cfg.workspace))
 
 
 #: The data stages in the order they run; a step that is off (decontaminate) returns `{}`.
@@ -174,7 +174,8 @@ def downstream_step(cfg: RunConfig, stages: Stages) -> Stages:
     dataset = cfg.task.resolved()
     out = cfg.workspace / "downstream" / dataset.name
     task = cached(prepare_downstream_task, cfg)
-    result = stage_summary(task(dataset, str(cfg.task.base_dir), str(out), return_state=True))
+    state = task(dataset, str(cfg.task.base_dir), str(out), return_state=True)
+    result = stage_summary(state, cfg.workspace)
     rows = {f"{split}_rows": float(entry["rows"]) for split, entry in result["splits"].items()}
     params = {"task": public_dump(dataset)}
     run_id = retrying(record_stage_task, cfg)(cfg, "downstream", result, params, rows)

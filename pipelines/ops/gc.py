@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.common.workspace import relocator
+
 log = logging.getLogger(__name__)
 
 # `<workspace>/<stage>/<fingerprint>/` outputs with a manifest.json.
@@ -107,12 +109,18 @@ def plan_gc(
     under it), when it was modified within `keep_recent_s` (a run may be writing it, or ran
     with tracking off), or when a staying output was built from it (transitively: a model's
     examples, their encoding, its tokenizer and corpus). Everything else is removed, temp
-    leftovers of killed runs included.
+    leftovers of killed runs included. A path that a reference or a record names under a place
+    the workspace lived at before a copy or a move names the same output here (`relocator`).
     """
     workspace = workspace.resolve()
     now = time.time() if now is None else now
     outputs = scan_workspace(workspace)
-    resolve = _resolver(outputs)
+    move = relocator(workspace)
+    found = _resolver(outputs)
+
+    def resolve(key: str) -> list[int]:
+        return found(move(key))
+
     why: dict[int, str] = {}
     for ref in references:
         for i in resolve(ref.key):

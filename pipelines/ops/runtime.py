@@ -12,7 +12,8 @@ from pathlib import Path
 
 from pipelines.config import RunConfig
 from tasks.common.ray_runtime import check_storage
-from training.registry.tracking import local_tracking_uri
+from tasks.common.workspace import open_workspace
+from training.registry.local_store import local_store_uri, open_local_store
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ def resolve_environment(cfg: RunConfig) -> RunConfig:
 
     Ray 2.60 clients that name an address need `RAY_AUTH_MODE=token` (docs/stack.md, "Ray token
     authentication"); a Prefect API URL and MLflow credentials from the config are exported for
-    their clients.
+    their clients. The workspace is opened where it is now (`open_workspace`: a copied or moved
+    workspace records its new root), and so is its own MLflow store when it is the one in use
+    (`open_local_store`: artifact locations re-rooted to the new place).
 
     Raises:
         StorageError: the workspace is a local path, the cluster has several nodes and
@@ -52,7 +55,7 @@ def resolve_environment(cfg: RunConfig) -> RunConfig:
     )
     tracking = cfg.tracking
     if tracking.tracking_uri is None:
-        uri = env.get("MLFLOW_TRACKING_URI") or local_tracking_uri(cfg.workspace)
+        uri = env.get("MLFLOW_TRACKING_URI") or local_store_uri(cfg.workspace)
         tracking = tracking.model_copy(update={"tracking_uri": uri})
     env.setdefault("HF_HUB_OFFLINE", "1")
     if cfg.prefect.api_url:
@@ -67,4 +70,7 @@ def resolve_environment(cfg: RunConfig) -> RunConfig:
     # A local workspace on a multi-node cluster is refused unless the config says it is shared.
     check_storage(ray, str(workspace))
     workspace.mkdir(parents=True, exist_ok=True)
+    open_workspace(workspace)
+    if tracking.tracking_uri == local_store_uri(workspace):
+        open_local_store(workspace)
     return cfg.model_copy(update={"ray": ray, "tracking": tracking, "workspace": workspace})

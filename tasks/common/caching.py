@@ -3,15 +3,19 @@
 A data stage task is declared with `stage_task`: its cache policy (`StageCache`) plans the
 call's output with the same function the stage's driver uses (`plan_<stage>`, over
 `tasks.common.stage.plan_output`), so the Prefect cache key and the workspace check cannot
-disagree. The key is `<stage>-<fingerprint>-<8 hex of the output directory>`. The workspace
-stays the guard: when the planned output is missing or incomplete, the policy expires the
-task's cache record before Prefect looks it up, so the task runs, rebuilds the output and
-writes a fresh record; a cache hit therefore always names a complete output.
+disagree. The key is `<stage>-<fingerprint>-<8 hex of where the output is>`; where is the
+workspace's id and the output's path inside it (`tasks.common.workspace.location_key`), never
+an absolute path, so a copied or moved workspace keeps its keys. The workspace stays the guard:
+when the planned output is missing or incomplete, the policy expires the task's cache record
+before Prefect looks it up, so the task runs, rebuilds the output and writes a fresh record; a
+cache hit therefore always names a complete output.
 
 Results are JSON (`result_serializer="json"`), never pickled: the summary dict a stage task
 returns (stage, path, fingerprint, `reused`, ...). `in_workspace` stores them under
 `<workspace>/prefect-results/`, beside the outputs they describe, so they last across flow runs
-and processes and go with the workspace. `refresh_cache=True` on the task, or
+and processes and go with the workspace. A record names its output by the absolute path it had
+when written; `stage_summary` relocates it into the workspace where it is read (a copy's record
+names the copy's output). `refresh_cache=True` on the task, or
 `PREFECT_TASKS_REFRESH_CACHE=true`, makes Prefect skip the record; the task then asks the
 driver to rebuild (`refresh_requested`), which builds the output aside and swaps it in whole
 (`tasks.common.stage.StageOutput.build_aside`).
@@ -39,6 +43,7 @@ from prefect.settings import PREFECT_TASKS_REFRESH_CACHE
 from prefect.types._datetime import DateTime
 
 from tasks.common.stage import StageOutput
+from tasks.common.workspace import location_key, open_workspace, relocate_record
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -52,11 +57,14 @@ CACHED = "Cached"
 def cache_key(out: StageOutput) -> str:
     """The Prefect cache key of a planned output: stage, fingerprint, where it lives.
 
-    The directory's digest keeps two workspaces that share a result store (Prefect's default
-    one) apart: a record names its output by absolute path.
+    Where: the workspace's id and the output's path inside it (`location_key`), so a copy or a
+    move of the workspace keeps the key, while two workspaces that share a result store
+    (Prefect's default one) stay apart; an output in no workspace, by its absolute path.
     """
-    where = hashlib.sha256(str(out.target or out.path).encode()).hexdigest()[:8]
-    return f"{out.stage}-{out.fingerprint}-{where}"
+    target = out.target or out.path
+    where = location_key(target) or str(target)
+    digest = hashlib.sha256(where.encode()).hexdigest()[:8]
+    return f"{out.stage}-{out.fingerprint}-{digest}"
 
 
 def _fingerprint_of(manifest: object) -> object:
@@ -157,15 +165,24 @@ def results_dir(workspace: Path | str) -> Path:
 
 
 def in_workspace(stage: Task[P, R], workspace: Path | str) -> Task[P, R]:
-    """The stage task with its results stored under `results_dir(workspace)`."""
+    """The stage task with its results stored under `results_dir(workspace)`.
+
+    Opens the workspace first (`open_workspace`): its id is part of the cache keys.
+    """
+    open_workspace(workspace)
     return stage.with_options(result_storage=results_dir(workspace))
 
 
-def stage_summary(state: State[dict[str, Any]]) -> dict[str, Any]:
+def stage_summary(
+    state: State[dict[str, Any]], workspace: Path | str | None = None
+) -> dict[str, Any]:
     """A stage task's summary from its final state; a cache hit says `reused`, as a reuse does.
+
+    With `workspace`, the paths a record wrote where the workspace was before a copy or a move
+    name the same files where it is now (`relocate_record`).
 
     Raises:
         Exception: the task's own, when it failed.
     """
-    summary = state.result()
+    summary: dict[str, Any] = relocate_record(state.result(), workspace)
     return summary | {"reused": True} if state.name == CACHED else summary

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +111,13 @@ def plan_decontaminate(
         raise ValueError("decontaminate.enabled is true but decontaminate.tasks lists no task")
     _check_upstream(Path(ingest_dir), ingest)
     inputs = {"ingest": ingest["fingerprint"], "eval_tasks": eval_inputs(cfg)}
-    return plan_output(STAGE, inputs, public_dump(cfg), workspace=Path(workspace))
+    # The tasks by content (`eval_inputs`), not by where their YAML and files lie: a copied or
+    # moved workspace and data keep the fingerprint. The manifest shows the config as given.
+    config = public_dump(cfg)
+    placed = ("config", "base_dir")
+    tasks = [{k: v for k, v in t.items() if k not in placed} for t in config["tasks"]]
+    out = plan_output(STAGE, inputs, {**config, "tasks": tasks}, workspace=Path(workspace))
+    return replace(out, config=config)
 
 
 def run_decontaminate(

@@ -55,7 +55,10 @@ class DownstreamManifest(BaseModel):
     stage: Literal["downstream"] = Field("downstream", description="Always `downstream`.")
     schema_version: int = Field(description="`tasks.common.schema.SCHEMA_VERSION` when written.")
     fingerprint: str = Field(description="Hash of input sha256s, config and code.")
-    path: str = Field(description="The output directory, as given when it was written.")
+    path: str = Field(
+        description="The output directory, as given when it was written (`prepare` returns a "
+        "reused output's manifest with the directory it is read from)."
+    )
     name: str = Field(description="Task name (`DatasetConfig.name`).")
     task_type: str = Field(description="One of `tasks.common.schema.DOWNSTREAM_TASK_TYPES`.")
     pair: bool = Field(description="Examples have `text_pair` (sentence-pair tasks).")
@@ -130,8 +133,8 @@ def prepare(
     """
     out = plan_downstream(cfg, base_dir, out_dir)
     done = out.reuse(partial(_complete, fp=out.fingerprint), rebuild)
-    if done is not None:
-        return done, True
+    if done is not None:  # `path` as written; the output may have moved since (a copied workspace)
+        return done.model_copy(update={"path": str(out_dir)}), True
     data = load_downstream(cfg, base_dir)
     tmp = out.open_temp_dir()
     manifest = DownstreamManifest(

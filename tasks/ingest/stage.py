@@ -4,6 +4,12 @@ Layout of one output, `<workspace>/ingest/<fingerprint>/`:
 `{split}-g{generation}-{index:05d}.arrow` shards (Arrow IPC stream), `quarantine.jsonl`,
 `dedup_index.arrow` (hashes and signatures of kept documents, for incremental ingests) and
 `manifest.json`, written last. `_staging/` holds per-unit results while a run is in progress.
+
+The fingerprint names the inputs by content, never by place: each input's bytes' hash (the
+workspace's stat cache skips re-hashing an unchanged file, `tasks/ingest/input_hashes.py`), its
+path relative to its source and the source's settings, and the config without the sources'
+paths. A moved or copied corpus (or workspace) keeps its fingerprint; the manifest still shows
+each input's `uri` and the config as given.
 """
 
 from __future__ import annotations
@@ -12,11 +18,10 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import fsspec
-import xxhash
 from prefect import get_run_logger
 
 from tasks.common import schema
@@ -36,6 +41,7 @@ from tasks.ingest.ingest import (
     process_unit,
     write_shard,
 )
+from tasks.ingest.input_hashes import InputHashes
 from tasks.ingest.output import (
     dedup_documents,
     ingest_metrics,
@@ -59,20 +65,6 @@ STAGE = "ingest"
 def public_config(cfg: IngestConfig) -> dict[str, Any]:
     """Dump `cfg` for manifests and tracking, with every secret left out."""
     return public_dump(cfg)  # type: ignore[no-any-return]
-
-
-def file_fingerprint(file: InputFile, storage: dict[str, str]) -> str:
-    """Hash an input's bytes (every file of a saved dataset) with xxh3-128."""
-    digest = xxhash.xxh3_128()
-    paths = [file.uri]
-    if file.format == "hf_disk":
-        fs, root = fsspec.core.url_to_fs(file.uri, **storage)
-        paths = sorted(fs.find(root))
-    for path in paths:
-        with fsspec.open(path, "rb", **storage) as handle:
-            while chunk := handle.read(1 << 22):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _inputs(cfg: IngestConfig) -> tuple[list[InputFile], dict[str, dict[str, str]]]:
@@ -99,8 +91,28 @@ def _planned(
     storage: dict[str, dict[str, str]],
     workspace: Path,
 ) -> StageOutput:
-    inputs = describe_inputs(cfg, files, storage)
-    return plan_output(STAGE, inputs, public_config(cfg), workspace=workspace)
+    """The planned output; its `inputs` and `config` are the manifest's, uris and paths shown.
+
+    The fingerprint covers all they say except where the inputs lie: each input without its
+    `uri` (`content_key` and its format, size, source), the config without the sources' paths.
+    """
+    hashes = InputHashes.of_workspace(workspace)
+    inputs = describe_inputs(cfg, files, storage, hashes)
+    hashes.save()
+    config = public_config(cfg)
+    keyed = {**config, "sources": [_unplaced(s) for s in config["sources"]]}
+    identity = [{k: v for k, v in i.items() if k != "uri"} for i in inputs]
+    out = plan_output(STAGE, identity, keyed, workspace=workspace)
+    return replace(out, inputs=inputs, config=config)
+
+
+def _unplaced(source: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in source.items() if k != "path"}
+
+
+def content_key(entry: dict[str, Any]) -> tuple[str, str, str]:
+    """What identifies an input across places: its source's settings, relative path, bytes."""
+    return (str(entry["source_key"]), str(entry["rel"]), str(entry["xxh3_128"]))
 
 
 def run_ingest(
@@ -129,8 +141,8 @@ def run_ingest(
     base = (
         _previous(workspace, cfg, out.config, source_hash, out.inputs) if cfg.incremental else None
     )
-    done_uris = {i["uri"] for i in base["inputs"]} if base else set()
-    new_files = [f for f in files if f.uri not in done_uris]
+    read = {content_key(i) for i in base["inputs"]} if base else set()
+    new_files = [f for f, i in zip(files, out.inputs, strict=True) if content_key(i) not in read]
     staging = out.open_staging()  # deletes the temp files of a killed run: never read as outputs
     units = _plan(new_files, cfg, max(int(cfg.unit_size_mb * (1 << 20)), 1), storage)
     summaries = _read_units(units, cfg, ray_cfg, staging, storage, progress)
@@ -151,9 +163,17 @@ def run_ingest(
 
 
 def describe_inputs(
-    cfg: IngestConfig, files: list[InputFile], storage: dict[str, dict[str, str]]
+    cfg: IngestConfig,
+    files: list[InputFile],
+    storage: dict[str, dict[str, str]],
+    hashes: InputHashes | None = None,
 ) -> list[dict[str, Any]]:
-    """Describe each input file for the fingerprint and the manifest, its bytes' hash included."""
+    """Describe each input file for the manifest, its bytes' hash included.
+
+    `hashes` answers for a local file whose stat is unchanged since it was hashed (None: every
+    file is hashed). The fingerprint takes each description without its `uri`.
+    """
+    hashes = hashes or InputHashes(None)
     return [
         {
             "source": f.source,
@@ -162,7 +182,7 @@ def describe_inputs(
             "format": f.format,
             "compression": f.compression,
             "size": f.size,
-            "xxh3_128": file_fingerprint(f, storage[f.source]),
+            "xxh3_128": hashes.digest(f, storage[f.source]),
             "source_key": _source_key(cfg, f.source),
         }
         for f in files
@@ -219,13 +239,16 @@ def _previous(
     code: str,
     inputs: list[dict[str, Any]],
 ) -> dict[str, Any] | None:
-    """Find the newest complete ingest that this one can extend (same settings, fewer inputs)."""
+    """Find the newest complete ingest that this one can extend (same settings, fewer inputs).
+
+    Inputs match by content (`content_key`), so a moved corpus still extends its old output.
+    """
     key = fingerprint({k: v for k, v in config.items() if k != "sources"})
-    current = {(i["uri"], i["xxh3_128"], i["source_key"]) for i in inputs}
+    current = {content_key(i) for i in inputs}
     best = None
     for path in sorted((workspace / STAGE).glob("*/manifest.json")):
         manifest = json.loads(path.read_text())
-        old = {(i["uri"], i["xxh3_128"], i["source_key"]) for i in manifest["inputs"]}
+        old = {content_key(i) for i in manifest["inputs"]}
         if manifest.get("incremental_key") != key or manifest["code"]["source_hash"] != code:
             continue
         if (

@@ -25,6 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.common import schema
 from tasks.common.io import fingerprint, read_downstream_dir, source_hash, write_json_atomic
 from tasks.common.stage import StageOutput, complete_manifest, file_entry
+from tasks.common.workspace import relocate_record
 from training.evaluate.config import EvaluateConfig as EvaluateConfig
 from training.evaluate.intrinsic import (
     fill_mask_probes,
@@ -293,7 +294,8 @@ def evaluate_task(
     done = out.reuse(complete_manifest)
     if done is not None:
         log.info("evaluation %s already done: reused", out.fingerprint)
-        return dict(done["summary"]) | {"path": str(out.path), "reused": True}
+        summary = relocate_record(done["summary"], run.workspace)  # the workspace may have moved
+        return dict(summary) | {"path": str(out.path), "reused": True}
     tmp = out.open_temp_dir()
     key = artifact_key(f"{run.name}-evaluate-progress")
     result = evaluate_model(

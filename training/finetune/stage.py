@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common.io import fingerprint, flatten, sha256_file, source_hash, write_json_atomic
+from tasks.common.workspace import relocate_record
 from training.finetune.config import FinetuneConfig
 from training.finetune.loop import FINETUNE_LOOP, FinetuneJob
 from training.finetune.outputs import EXPORT_DIR, RESULT_FILE
@@ -152,8 +153,9 @@ def finetune_stage(
     root = (run.workspace / "finetune").resolve()
     run_id = finetune_run_id(cfg, run.seed, data_dir, model_dir)
     record_file = root / f"{run_id}.run.json"
-    if record_file.is_file():
-        return dict(json.loads(record_file.read_text())) | {"reused": True}
+    if record_file.is_file():  # its paths relocated: the workspace may have moved since
+        record = relocate_record(json.loads(record_file.read_text()), run.workspace)
+        return dict(record) | {"reused": True}
     log.info("fine-tuning run %s: %s", run_id, cfg.precision_choice())
     uri = run.tracking_uri
     task = json.loads((data_dir / "manifest.json").read_text())

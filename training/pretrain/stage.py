@@ -3,6 +3,8 @@
 `pretrain_stage` drives one run end to end and keeps its MLflow run open across resumes (the
 run id lives in `<storage>/<run>.run.json`); `export_checkpoint` turns any valid checkpoint into
 a checked Hugging Face directory (`lmpipe export`). `pretrain_task` is the Prefect wrapper.
+Paths read back from a run record or a checkpoint's `meta.json` are relocated into the workspace
+where they are read (`tasks.common.workspace.relocate`): a copied workspace reuses its runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.common.io import code_version, flatten, write_json_atomic
+from tasks.common.workspace import relocate, relocate_record, workspace_of
 from training.evaluate.plots import loss_curve_png, step_history
 from training.models.export import (
     DataRef,
@@ -65,12 +68,14 @@ def export_checkpoint(checkpoint: Path, out_dir: Path) -> tuple[Path, ModelCard]
     """
     meta = ckpt.validate(checkpoint)  # hashes first: DeepSpeed's files are pickles
     cfg = TrainConfig.model_validate(meta["train"])
-    examples_dir, tokenizer_dir = Path(meta["examples_dir"]), Path(meta["tokenizer_dir"])
+    workspace = workspace_of(checkpoint)  # the paths in meta are where the run was
+    examples_dir = Path(relocate(meta["examples_dir"], workspace))
+    tokenizer_dir = Path(relocate(meta["tokenizer_dir"], workspace))
     manifest = read_manifest(examples_dir)
     specials = manifest["specials"]
     objective = manifest["objective"]
     length = sequence_length(manifest)
-    teacher = meta.get("teacher_dir")
+    teacher = meta.get("teacher_dir") and relocate(meta["teacher_dir"], workspace)
     model, prefix = build_export_model(
         cfg, objective, specials["vocab_size"], specials, length, Path(teacher) if teacher else None
     )
@@ -155,7 +160,8 @@ def _card(
 def lineage_tags(meta: dict[str, Any], examples_dir: Path, tokenizer_dir: Path) -> dict[str, str]:
     """Registry tags that trace a model version back to its data, tokenizer and code."""
     examples = read_manifest(examples_dir)
-    encode = json.loads((Path(examples["encode"]["path"]) / "manifest.json").read_text())
+    encode_dir = relocate(examples["encode"]["path"], workspace_of(examples_dir))
+    encode = json.loads((Path(encode_dir) / "manifest.json").read_text())
     tok = json.loads((tokenizer_dir / "manifest.json").read_text())
     return {
         "corpus_manifest": str(encode["inputs"]["ingest"]),
@@ -192,7 +198,7 @@ def pretrain_stage(
     record_file = storage_root(cfg, run.workspace) / f"{run_id}.run.json"
     record = json.loads(record_file.read_text()) if record_file.is_file() else {}
     if record.get("registered") and not control.stop_at_step:
-        return dict(record["summary"]) | {"reused": True}
+        return dict(relocate_record(record["summary"], run.workspace)) | {"reused": True}
     log.info(
         "pretraining run %s: %s, attention %s (train.attention %s)",
         run_id,

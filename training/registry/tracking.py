@@ -153,11 +153,6 @@ def _param_value(value: Any) -> str:
     return text[:_PARAM_MAX]
 
 
-def local_tracking_uri(workspace: Path) -> str:
-    """Return the default tracking URI: a SQLite file inside the workspace."""
-    return f"sqlite:///{(workspace / 'mlflow.db').resolve()}"
-
-
 @dataclass(frozen=True)
 class DatasetRef:
     """One input a run read, as MLflow's dataset input: what, which version, where, how.
@@ -221,7 +216,9 @@ def tracked_run(
     exception, which is re-raised. With tracking off (or no URI) the body gets a NullTracker.
     `system_metrics` samples this machine's CPU, memory, disk, network (and NVIDIA GPUs when
     `pynvml` loads) into the run every `cfg.system_metrics_interval_s` while the body runs.
-    With a local SQLite store, the experiment's artifacts go to `<workspace>/mlartifacts`.
+    With a local SQLite store, the experiment's artifacts go to `<workspace>/mlartifacts`
+    (the workspace's own store is re-rooted when the workspace moves,
+    `training.registry.local_store`).
     """
     uri = cfg.tracking_uri
     if not cfg.enabled or not uri:

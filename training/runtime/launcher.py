@@ -88,9 +88,11 @@ def run_id_for(
         inputs["teacher"] = {shard.name: sha256_file(shard) for shard in weights}
     # Where checkpoints go, how often we log, how many workers share the global batch and when
     # the batches are built do not change what is trained: a run resumes at another worker
-    # count (docs/pretraining.md).
+    # count (docs/pretraining.md). Nor does where a local teacher lies: its weights are keyed
+    # above, so a copied or moved workspace keeps its runs.
+    skip = ("checkpoint", "log_every_steps", "eval", "scale", "prefetch")
     train = cfg.model_dump(
-        mode="json", exclude={"checkpoint", "log_every_steps", "eval", "scale", "prefetch"}
+        mode="json", exclude={**dict.fromkeys(skip, True), "distillation": {"teacher": {"path"}}}
     )
     code = source_hash("tasks", "training")
     return fingerprint({"inputs": inputs, "train": train, "seed": seed, "code": code})

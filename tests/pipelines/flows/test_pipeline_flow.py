@@ -1,11 +1,15 @@
-"""The `pipeline` flow end to end: every stage once, cached reruns, nested MLflow runs.
+"""The `pipeline` flow end to end: every stage once, cached reruns, nested MLflow runs, a copy.
 
-Real Prefect (the session API), Ray and MLflow on SQLite, on the demo recipe shortened to a few
-pretraining steps (one worker, in this process) and one fine-tuning epoch.
+Real Prefect (the session API), Ray and MLflow on the workspace's own SQLite store, on the demo
+recipe shortened to a few pretraining steps (one worker, in this process) and one fine-tuning
+epoch. Last, the finished workspace and its inputs are copied elsewhere and the originals moved
+away: the copy reuses every stage and loads its registered models from its own store.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,9 @@ STAGES = ("ingest", "tokenizer", "encode", "examples", "pretrain", "downstream",
 OUTPUT_DIRS = (*STAGES, "evaluate")
 # The Prefect tasks cached on their output's fingerprint (training and evaluation are not).
 CACHED_TASKS = ("ingest", "tokenizer", "encode", "examples", "prepare-downstream")
+# What a run in a copied workspace may rewrite: the MLflow store (re-rooted, then the runs that
+# record the cache hits), the workspace's roots and the stat cache of its (copied) inputs.
+BOOKKEEPING = ("mlflow.db", "workspace.json", ".cache/input-hashes.json")
 
 
 def mtimes(workspace: Path, dirs: tuple[str, ...] = OUTPUT_DIRS) -> dict[str, int]:
@@ -28,6 +35,15 @@ def mtimes(workspace: Path, dirs: tuple[str, ...] = OUTPUT_DIRS) -> dict[str, in
         for name in dirs
         for path in (workspace / name).rglob("*")
         if path.is_file()
+    }
+
+
+def stamps(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `root` (links not followed), with its modification time and size."""
+    return {
+        str(path.relative_to(root)): (path.lstat().st_mtime_ns, path.lstat().st_size)
+        for path in root.rglob("*")
+        if not path.is_dir() or path.is_symlink()
     }
 
 
@@ -60,23 +76,30 @@ def parent_run(client: MlflowClient, stages: dict[str, Any]) -> str:
     return parents.pop()
 
 
+def where(root: Path, demo: Path) -> list[str]:
+    """The overrides that put a run's workspace at `root` and read the demo data in `demo`."""
+    return [
+        f"workspace={root}",
+        f"ingest.sources.0.path={demo / 'corpus'}",
+        f"task.base_dir={demo}",
+    ]
+
+
 def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed(
-    tmp_path: Path, ray_session: str, prefect_api: str, mlflow_uri: str
+    tmp_path: Path, ray_session: str, prefect_api: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from prefect.artifacts import Artifact
 
     from pipelines.config import load_config
     from pipelines.flows.pipeline_flow import pipeline_flow
     from tasks.demo.synthetic import SyntheticConfig, write_corpus
+    from training.registry.local_store import local_store_uri
 
     write_corpus(tmp_path / "demo", SyntheticConfig(documents=300, task_examples=20))
     workspace = tmp_path / "ws"
-    overrides = [
+    # No tracking URI: the workspace's own store (`<workspace>/mlflow.db`), which moves with it.
+    recipe = [
         f"name=cache{tmp_path.name[-6:].replace('_', '')}",
-        f"workspace={workspace}",
-        f"ingest.sources.0.path={tmp_path / 'demo' / 'corpus'}",
-        f"task.base_dir={tmp_path / 'demo'}",
-        f"tracking.tracking_uri={mlflow_uri}",
         "train.max_steps=8",  # the whole pipeline runs; the recipe's length is not the point
         "train.checkpoint.every_steps=4",
         "train.eval.every_steps=4",
@@ -87,8 +110,9 @@ def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed
         "train.scale.max_failures=0",
         "finetune.epochs=1",
     ]
+    overrides = [*recipe, *where(workspace, tmp_path / "demo")]
     cfg = load_config(RECIPE, overrides)
-    client = MlflowClient(mlflow_uri)
+    client = MlflowClient(local_store_uri(workspace))
 
     first = pipeline_flow(cfg)
     assert list(first) == [*STAGES, "evaluate"]
@@ -136,6 +160,48 @@ def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed
     assert third["finetune"]["run_dir"] != first["finetune"]["run_dir"]
     assert third["evaluate"]["path"] != first["evaluate"]["path"]
     assert third["evaluate"]["finetuned"]["test"] == third["finetune"]["test"]
+
+    # The finished workspace and its inputs copied elsewhere (`cp -a`), the originals moved
+    # away: the copy reuses every stage (the data stages `Cached`), rewrites no output, writes
+    # nothing where the originals were, and loads its registered models from its own store.
+    moved, gone = tmp_path / "moved", tmp_path / "gone"
+    # As `cp -a` copies: links as links, every file and directory with its times.
+    shutil.copytree(workspace, moved / "ws", symlinks=True)
+    shutil.copytree(tmp_path / "demo", moved / "demo", symlinks=True)
+    gone.mkdir()
+    os.rename(workspace, gone / "ws")
+    os.rename(tmp_path / "demo", gone / "demo")
+    originals, copied = stamps(gone), stamps(moved / "ws")
+    lr = "finetune.lr=0.0005"
+    rerun = pipeline_flow(
+        load_config(RECIPE, [*recipe, *where(moved / "ws", moved / "demo"), lr]),
+        return_state=True,
+    )
+    fourth = rerun.result()
+    assert {name: s["reused"] for name, s in fourth.items()} == dict.fromkeys(first, True)
+    states = task_states(rerun.state_details.flow_run_id)
+    cached = {name: states.get(name) for name in CACHED_TASKS}
+    assert cached == dict.fromkeys(CACHED_TASKS, "Cached")
+    now = stamps(moved / "ws")
+    assert {k: now.get(k) for k in copied if k not in BOOKKEEPING} == {
+        k: v for k, v in copied.items() if k not in BOOKKEEPING
+    }
+    assert stamps(gone) == originals
+    assert not workspace.exists()
+    assert not (tmp_path / "demo").exists()
+    paths = [s[k] for s in fourth.values() for k in ("path", "run_dir", "export_dir") if k in s]
+    assert len(paths) > len(fourth)
+    assert all(p.startswith(str(moved / "ws") + os.sep) for p in paths), paths
+    for stage in ("pretrain", "finetune"):
+        assert fourth[stage]["model_version"] == third[stage]["model_version"]
+    import mlflow
+    from mlflow.tracking._tracking_service import utils
+
+    monkeypatch.setattr(utils, "_tracking_uri", local_store_uri(moved / "ws"))
+    for stage in ("pretrain", "finetune"):
+        uri = f"models:/{fourth[stage]['model_name']}/{fourth[stage]['model_version']}"
+        model = mlflow.transformers.load_model(uri, return_type="components")["model"]
+        assert model.config.model_type == "bert", stage
 
 
 def test_pipeline_flow_parameters_are_a_typed_form_that_validates() -> None:

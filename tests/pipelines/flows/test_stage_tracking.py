@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,15 @@ def test_a_cache_hit_names_the_run_recorded_for_its_output_in_this_store(tmp_pat
         assert recorded_run(stage_config(tmp_path, other), result) is None
     assert recorded_run(stage_config(tmp_path, "tracking.parent_run_id=p1"), result) is None
     assert recorded_run(stage_config(tmp_path, "tracking.enabled=false"), result) is None
+
+
+def test_a_copied_workspace_finds_the_runs_recorded_in_its_own_store(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cfg, result = stage_config(tmp_path / "a"), reused_result(tmp_path / "a")
+    record(cfg, result, "r1")
+    shutil.copytree(tmp_path / "a" / "ws", tmp_path / "b" / "ws")  # its mlflow.db goes with it
+    assert recorded_run(stage_config(tmp_path / "b"), reused_result(tmp_path / "b")) == "r1"
 
 
 def test_a_record_of_another_fingerprint_or_a_torn_one_names_no_run(tmp_path: Path) -> None:

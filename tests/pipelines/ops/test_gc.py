@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import yaml
 
 from pipelines.cli.main import main
 from pipelines.ops.gc import Reference, plan_gc, scan_workspace
+from tasks.common.workspace import WORKSPACE_FILE, open_workspace
 
 DAY_S = 86400
 FP = {  # stage outputs of the fake workspace, named by 16-hex fingerprints
@@ -141,6 +143,28 @@ def test_a_path_under_an_output_or_a_finetune_base_names_it(workspace: Path) -> 
     assert {f"finetune/{FT_RUN}", f"pretrain/{RUN}", f"ingest/{FP['ingest']}"} <= kept
 
 
+def test_a_copied_workspace_follows_the_paths_its_records_name_where_it_was(
+    workspace: Path, tmp_path: Path
+) -> None:
+    open_workspace(workspace)
+    moved = tmp_path / "moved"
+    shutil.copytree(workspace, moved, symlinks=True)  # times kept: the outputs stay a month old
+    shutil.rmtree(workspace)
+    open_workspace(moved)
+    old_checkpoint = workspace / "pretrain" / OLD_RUN / "checkpoint_step-000000010"
+    refs = [Reference(FT_RUN, "model demo-demo_residence v1"), Reference(str(old_checkpoint), "x")]
+    kept = _kept(_decisions(moved, refs))
+    # The fine-tune's card names its base, the runs' meta.json their examples, by old paths.
+    assert {
+        f"finetune/{FT_RUN}",
+        f"pretrain/{RUN}",
+        f"pretrain/{OLD_RUN}",
+        f"examples/{FP['examples']}",
+        f"examples/{FP['examples_old']}",
+        f"ingest/{FP['ingest']}",
+    } <= kept
+
+
 def test_recently_modified_outputs_and_temps_are_kept(workspace: Path) -> None:
     _age(workspace / "ingest", days=1)
     decisions = _decisions(workspace, [], keep_recent_s=7 * DAY_S)
@@ -185,7 +209,9 @@ def test_gc_cli_dry_run_removes_nothing_and_delete_removes_only_unneeded(
     before = sorted(str(p) for p in workspace.rglob("*"))
 
     assert main(["gc", str(recipe)]) == 0
-    assert sorted(str(p) for p in workspace.rglob("*")) == before
+    # Every command opens the workspace (records where it is in `workspace.json`); the dry run
+    # changes nothing else.
+    assert sorted(str(p) for p in workspace.rglob("*") if p.name != WORKSPACE_FILE) == before
     out = capsys.readouterr().out
     assert "dry run: nothing removed" in out
     # old run, examples, encode, decontaminated and raw corpus; fine-tune, task data, 2 temps

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -11,8 +12,9 @@ from prefect.filesystems import LocalFileSystem
 from prefect.results import ResultStore
 from prefect.serializers import JSONSerializer
 
-from tasks.common.caching import StageCache, cache_key, refresh_requested
+from tasks.common.caching import StageCache, cache_key, refresh_requested, stage_summary
 from tasks.common.stage import StageOutput, complete_manifest, file_entry, plan_output
+from tasks.common.workspace import open_workspace
 
 CONFIG = {"size": 3}
 INPUTS = {"upstream": "0123456789abcdef"}
@@ -87,3 +89,26 @@ def test_a_call_that_cannot_be_planned_has_no_cache_key(tmp_path: Path) -> None:
 
 def test_no_refresh_is_requested_outside_a_task_run() -> None:
     assert refresh_requested() is False
+
+
+def test_a_copied_workspace_keeps_its_cache_keys_and_another_workspace_has_its_own(
+    tmp_path: Path,
+) -> None:
+    open_workspace(tmp_path / "a")
+    open_workspace(tmp_path / "other")
+    key = cache_key(plan(str(tmp_path / "a")))
+    shutil.copytree(tmp_path / "a", tmp_path / "b", symlinks=True)
+    assert cache_key(plan(str(tmp_path / "b"))) == key
+    assert cache_key(plan(str(tmp_path / "other"))) != key
+    assert cache_key(plan(str(tmp_path / "loose"))) != key  # no workspace: its absolute path
+
+
+def test_a_cache_hit_in_a_copy_names_the_copy_s_output(tmp_path: Path) -> None:
+    from prefect.states import Completed
+
+    open_workspace(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    open_workspace(tmp_path / "b")
+    written = {"stage": "demo", "path": str(tmp_path / "a" / "demo" / "f00d"), "reused": False}
+    hit = stage_summary(Completed(data=written, name="Cached"), tmp_path / "b")
+    assert hit == written | {"path": str(tmp_path / "b" / "demo" / "f00d"), "reused": True}

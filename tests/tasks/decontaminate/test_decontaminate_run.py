@@ -19,6 +19,7 @@ from tasks.decontaminate.stage import (
     REMOVED_FILE,
     SPLIT,
     decontaminated_counts,
+    plan_decontaminate,
     run_decontaminate,
 )
 from tasks.ingest.ingest import IngestConfig, SplitConfig
@@ -237,6 +238,25 @@ def test_another_n_builds_another_output(
     assert twelve.path != thirteen.path
     removed = read_ipc_stream(twelve.path / REMOVED_FILE).column(schema.TEXT).to_pylist()
     assert sorted(removed) == sorted([PLANTED, NEAR_MISS])  # 12 shared words now count
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_fingerprint_names_the_eval_tasks_by_content_not_by_place(
+    ingested: StageResult, task_yaml: Path, tmp_path: Path
+) -> None:
+    moved = tmp_path / "moved"
+    shutil.copytree(task_yaml.parent, moved)
+    here = plan_decontaminate(enabled(task_yaml), ingested.path, tmp_path / "ws")
+    there = plan_decontaminate(enabled(moved / task_yaml.name), ingested.path, tmp_path / "ws")
+    assert here is not None
+    assert there is not None
+    assert there.fingerprint == here.fingerprint
+    assert there.config["tasks"][0]["base_dir"] == str(moved)  # the manifest shows it as given
+    (moved / "eval.csv").write_text((moved / "eval.csv").read_text().replace("pos", "neg"))
+    changed = plan_decontaminate(enabled(moved / task_yaml.name), ingested.path, tmp_path / "ws")
+    assert changed is not None
+    assert changed.fingerprint != here.fingerprint
 
 
 @pytest.mark.slow

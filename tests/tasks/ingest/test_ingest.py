@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -13,7 +14,7 @@ from tasks.common.io import read_ipc_stream, sha256_file
 from tasks.common.ray_runtime import RayConfig
 from tasks.ingest.ingest import IngestConfig, prepare_documents
 from tasks.ingest.sources import SourceConfig
-from tasks.ingest.stage import run_ingest
+from tasks.ingest.stage import plan_ingest, run_ingest
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 RAY2 = RayConfig(num_workers=2)
@@ -169,6 +170,38 @@ def test_incremental_ingest_reads_only_new_files_and_dedups_against_old(
     docs = shard_rows(new.path, new.manifest)
     assert len(docs) == 70
     assert len({d["doc_id"] for d in docs}) == 70
+
+
+def test_the_fingerprint_names_the_inputs_by_content_not_by_place(tmp_path: Path) -> None:
+    corpus = tmp_path / "here" / "corpus"
+    corpus.mkdir(parents=True)
+    write_docs(corpus / "a.txt", [f"Doc {i}. Second sentence." for i in range(20)])
+    first = plan_ingest(config(SourceConfig(path=str(corpus))), tmp_path / "ws")
+    moved = tmp_path / "there" / "corpus"
+    shutil.copytree(corpus, moved)
+    again = plan_ingest(config(SourceConfig(path=str(moved))), tmp_path / "ws2")
+    assert again.fingerprint == first.fingerprint
+    assert [i["uri"] for i in again.inputs] == [str(moved / "a.txt")]  # shown as it is now
+    assert again.config["sources"][0]["path"] == str(moved)
+    write_docs(moved / "a.txt", [f"Doc {i}. Other sentence." for i in range(20)])
+    changed = plan_ingest(config(SourceConfig(path=str(moved))), tmp_path / "ws2")
+    assert changed.fingerprint != again.fingerprint
+
+
+def test_an_incremental_ingest_of_a_moved_corpus_reads_only_its_new_files(
+    tmp_path: Path, ray_session: str
+) -> None:
+    corpus = tmp_path / "here" / "corpus"
+    corpus.mkdir(parents=True)
+    write_docs(corpus / "a.txt", [f"Old document {i}. Kept as is." for i in range(40)])
+    old = run_ingest(config(SourceConfig(path=str(corpus))), RAY2, tmp_path / "ws")
+    moved = tmp_path / "there" / "corpus"
+    shutil.move(corpus, moved)
+    write_docs(moved / "b.txt", [f"New document {i}. Added later." for i in range(30)])
+    new = run_ingest(config(SourceConfig(path=str(moved))), RAY2, tmp_path / "ws")
+    assert new.manifest["extends"] == old.manifest["fingerprint"]
+    assert new.manifest["units"] == 1  # only b.txt was read
+    assert new.manifest["counts"]["kept"] == 70
 
 
 def test_output_is_independent_of_worker_count_and_keeps_smallest_file_offset(
