@@ -26,6 +26,7 @@ from tasks.common.stage import (
     StageOutput,
     StageResult,
     complete_sharded,
+    content_hash,
     plan_output,
     read_upstream,
     shards_of,
@@ -54,8 +55,9 @@ def plan_encode(
         StageInputError: an upstream output is not finished, or another stage's.
     """
     ingest = read_upstream(ingest_dir, "ingest")
-    tokenizer = read_upstream(tokenizer_dir, "tokenizer")
-    inputs = {"ingest": ingest["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
+    read_upstream(tokenizer_dir, "tokenizer")  # a finished tokenizer output, or refused
+    # The tokenizer's bytes, not its fingerprint: token shards never pair with another vocabulary.
+    inputs = {"ingest": ingest["fingerprint"], "tokenizer": content_hash(tokenizer_dir)}
     return plan_output(STAGE, inputs, public_dump(cfg), workspace=Path(workspace))
 
 
@@ -109,7 +111,11 @@ def run_encode(
     manifest = {
         **out.header(),
         "ingest": {"fingerprint": ingest["fingerprint"], "path": str(ingest_dir)},
-        "tokenizer": {"fingerprint": tokenizer["fingerprint"], "path": str(tokenizer_dir)},
+        "tokenizer": {
+            "fingerprint": tokenizer["fingerprint"],
+            "content": out.inputs["tokenizer"],
+            "path": str(tokenizer_dir),
+        },
         "schema": [str(f) for f in schema.tokens_schema(ids)],
         "dtype": str(ids),
         "vocab_size": tok.get_vocab_size(with_added_tokens=True),

@@ -37,6 +37,7 @@ from tasks.common.stage import (
     StageOutput,
     StageResult,
     complete_sharded,
+    content_hash,
     plan_output,
     read_upstream,
     shards_of,
@@ -117,8 +118,8 @@ def plan_examples(
         StageInputError: an upstream output is not finished, or another stage's.
     """
     encode = read_upstream(encode_dir, "encode")
-    tokenizer = read_upstream(tokenizer_dir, "tokenizer")
-    inputs = {"encode": encode["fingerprint"], "tokenizer": tokenizer["fingerprint"]}
+    read_upstream(tokenizer_dir, "tokenizer")  # a finished tokenizer output, or refused
+    inputs = {"encode": encode["fingerprint"], "tokenizer": content_hash(tokenizer_dir)}
     return plan_output(STAGE, inputs, public_dump(cfg), workspace=Path(workspace), seed=seed)
 
 
@@ -166,7 +167,11 @@ def run_examples(
         "sequence_length": cfg.sequence_length,
         "seed": seed,
         "encode": {"fingerprint": encode["fingerprint"], "path": str(encode_dir)},
-        "tokenizer": {"fingerprint": tokenizer["fingerprint"], "path": str(tokenizer_dir)},
+        "tokenizer": {
+            "fingerprint": tokenizer["fingerprint"],
+            "content": out.inputs["tokenizer"],
+            "path": str(tokenizer_dir),
+        },
         "specials": {k: v for k, v in vars(specials).items() if k != "special_ids"} if jobs else {},
         "schema": [str(f) for f in output_schema(cfg, ids_type)],
         "splits": splits,

@@ -38,6 +38,7 @@ from tasks.common.stage import (
 )
 from tasks.tokenizer.language_sampling import LanguageSample, sample_languages
 from tasks.tokenizer.tokenizer import (
+    TRAINER_VERSION,
     TokenizerConfig,
     load_tokenizer_files,
     padded_vocab_size,
@@ -114,7 +115,8 @@ def training_texts(
 def _own_files(cfg: TokenizerConfig) -> dict[str, Any]:
     assert cfg.pretrained is not None
     files = {k: v for k, v in cfg.pretrained.model_dump().items() if v is not None}
-    return {k: {"path": v, "sha256": sha256_file(Path(v))} for k, v in files.items()}
+    # By name and bytes, not by path: a moved project keeps its key (docs/pipeline.md).
+    return {k: {"name": Path(v).name, "sha256": sha256_file(Path(v))} for k, v in files.items()}
 
 
 def _train(
@@ -129,7 +131,12 @@ def _train(
         if plan is not None
         else sample_rows(sum(s["rows"] for s in shards), cfg.sample_documents)
     )
-    return train_tokenizer(training_texts(ingest_dir, ingest, picks, counter), cfg), plan
+
+    def texts() -> Iterator[list[str]]:  # a trainer may read the corpus twice: count one pass
+        counter.update(documents=0, characters=0)
+        return training_texts(ingest_dir, ingest, picks, counter)
+
+    return train_tokenizer(texts, cfg), plan
 
 
 def plan_tokenizer(
@@ -144,7 +151,7 @@ def plan_tokenizer(
     inputs = (
         {"files": _own_files(cfg)}
         if cfg.pretrained is not None
-        else {"ingest": ingest["fingerprint"], "split": TRAIN_SPLIT}
+        else {"ingest": ingest["fingerprint"], "split": TRAIN_SPLIT, "trainer": TRAINER_VERSION}
     )
     return plan_output(STAGE, inputs, public_dump(cfg), workspace=Path(workspace))
 

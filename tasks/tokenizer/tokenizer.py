@@ -15,8 +15,7 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -27,11 +26,25 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from tokenizers import trainers as tk_trainers
 
 from tasks.tokenizer.language_sampling import LanguageSamplingConfig
+from tasks.tokenizer.wordpiece import train_wordpiece
 
 if TYPE_CHECKING:  # imported where used: `TokenizerConfig` validates without transformers
     from transformers import PreTrainedTokenizerFast
 
 Family = Literal["wordpiece", "bpe", "unigram"]
+#: Training texts: strings or batches of strings, or a function that returns them afresh (a
+#: trainer that reads the corpus twice calls it twice; a one-shot iterator is kept in memory).
+Texts = Iterable[str] | Iterable[list[str]]
+TextSource = Texts | Callable[[], Texts]
+
+#: The version of the training algorithms below; it enters the tokenizer stage's fingerprint,
+#: so outputs trained by another algorithm are never reused. 2: deterministic training.
+TRAINER_VERSION = 2
+#: sentencepiece's EM sums its threads' partial counts in thread order, so the model depends on
+#: the thread count: a fixed count keeps it the same on every machine (sentencepiece runs that
+#: many threads whatever the cores; extra ones on a small machine only share its cores).
+SENTENCEPIECE_THREADS = 16
+SENTENCEPIECE_SEED = 0x5EED
 
 WORDPIECE_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 GPT2_SPECIALS = ["<|endoftext|>"]
@@ -100,8 +113,9 @@ class TokenizerConfig(BaseModel):
     extra_ids: int = Field(100, ge=0, le=1000, description="Unigram: number of sentinels.")
     unigram_trainer: Literal["sentencepiece", "tokenizers"] = Field(
         "sentencepiece",
-        description="Unigram: train with sentencepiece (several times faster) and convert to "
-        "tokenizer.json, or with the `tokenizers` Unigram trainer.",
+        description="Unigram: train with sentencepiece (several times faster, the same bytes in "
+        "every process) and convert to tokenizer.json, or with the `tokenizers` Unigram trainer "
+        "(not reproducible run to run: docs/tokenizers.md).",
     )
     character_coverage: float = Field(
         1.0,
@@ -222,26 +236,32 @@ def _post_processor(tok: Tokenizer, cfg: TokenizerConfig) -> None:
         )
 
 
-def train_tokenizer(texts: Iterable[str] | Iterable[list[str]], cfg: TokenizerConfig) -> Tokenizer:
+def train_tokenizer(texts: TextSource, cfg: TokenizerConfig) -> Tokenizer:
     """Train a tokenizer of `cfg.family` on `texts` (strings or batches of strings; every core).
 
-    Unigram trains with sentencepiece by default and is converted (`from_sentencepiece`).
+    The result is the same bytes for the same texts and config in any process, whatever the
+    thread count or hash seed (docs/tokenizers.md, "Deterministic training"). WordPiece reads
+    the texts twice (`tasks/tokenizer/wordpiece.py`); pass a function returning them afresh to
+    stream a large corpus twice rather than hold it. Unigram trains with sentencepiece by
+    default and is converted (`from_sentencepiece`).
     """
+    source = _replayable(texts)
     if cfg.family == "unigram" and cfg.unigram_trainer == "sentencepiece":
-        return from_sentencepiece(train_sentencepiece(texts, cfg), cfg)
+        return from_sentencepiece(train_sentencepiece(source(), cfg), cfg)
     specials = special_tokens(cfg)
     if cfg.family == "wordpiece":
-        tok = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
-        trainer: tk_trainers.Trainer = tk_trainers.WordPieceTrainer(
-            vocab_size=cfg.vocab_size,
-            min_frequency=cfg.min_frequency,
-            special_tokens=specials,
-            continuing_subword_prefix="##",
-            show_progress=False,
-        )
-    elif cfg.family == "bpe":
+
+        def blank() -> Tokenizer:
+            wordpiece = models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100)
+            return _pipeline(Tokenizer(wordpiece), cfg)
+
+        tok = train_wordpiece(source, blank, specials, cfg.vocab_size, cfg.min_frequency)
+        tok.add_special_tokens(sentinels(cfg))
+        _post_processor(tok, cfg)
+        return tok
+    if cfg.family == "bpe":
         tok = Tokenizer(models.BPE())
-        trainer = tk_trainers.BpeTrainer(
+        trainer: tk_trainers.Trainer = tk_trainers.BpeTrainer(
             vocab_size=cfg.vocab_size,
             min_frequency=cfg.min_frequency,
             special_tokens=specials,
@@ -257,13 +277,23 @@ def train_tokenizer(texts: Iterable[str] | Iterable[list[str]], cfg: TokenizerCo
             show_progress=False,
         )
     _pipeline(tok, cfg)
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator(source(), trainer=trainer)
     tok.add_special_tokens(sentinels(cfg))
     _post_processor(tok, cfg)
     return tok
 
 
-def _flat(texts: Iterable[str] | Iterable[list[str]]) -> Iterable[str]:
+def _replayable(texts: TextSource) -> Callable[[], Texts]:
+    """`texts` as a function that gives them afresh on every call."""
+    if callable(texts):
+        return texts
+    if iter(texts) is texts:  # a one-shot iterator: kept for a second pass
+        kept = list(texts)
+        return lambda: kept
+    return lambda: texts
+
+
+def _flat(texts: Texts) -> Iterable[str]:
     for item in texts:
         if isinstance(item, str):
             yield item
@@ -271,7 +301,7 @@ def _flat(texts: Iterable[str] | Iterable[list[str]]) -> Iterable[str]:
             yield from item
 
 
-def train_sentencepiece(texts: Iterable[str] | Iterable[list[str]], cfg: TokenizerConfig) -> bytes:
+def train_sentencepiece(texts: Texts, cfg: TokenizerConfig) -> bytes:
     """Train a T5-style SentencePiece Unigram model on `texts`; return the serialised model.
 
     Ids 0-2 are `<pad> </s> <unk>` (no `<s>`), as in T5; the sentinels are not part of it
@@ -279,6 +309,7 @@ def train_sentencepiece(texts: Iterable[str] | Iterable[list[str]], cfg: Tokeniz
     memory: bound them with `sample_documents` on a large corpus.
     """
     model = io.BytesIO()
+    spm.set_random_generator_seed(SENTENCEPIECE_SEED)
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(_flat(texts)),
         model_writer=model,
@@ -296,7 +327,7 @@ def train_sentencepiece(texts: Iterable[str] | Iterable[list[str]], cfg: Tokeniz
         # A document is one "sentence" here; sentencepiece would skip any over 4 kB.
         max_sentence_length=1 << 24,
         hard_vocab_limit=False,  # a small corpus yields fewer pieces instead of an error
-        num_threads=os.cpu_count() or 1,
+        num_threads=SENTENCEPIECE_THREADS,  # not the cores: the model would depend on them
         minloglevel=2,
     )
     return model.getvalue()

@@ -24,7 +24,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.common import schema
 from tasks.common.io import fingerprint, read_downstream_dir, source_hash, write_json_atomic
-from tasks.common.stage import StageOutput, complete_manifest, file_entry
+from tasks.common.stage import StageOutput, complete_manifest, content_hash, file_entry
 from tasks.common.workspace import relocate_record
 from training.evaluate.config import EvaluateConfig as EvaluateConfig
 from training.evaluate.intrinsic import (
@@ -239,7 +239,8 @@ def plan_evaluation(
     inputs = {
         "model": model_fingerprint(model_dir),
         "seed": run.seed,
-        "examples": [manifest_fp(p) for p in examples] if examples else None,
+        # The tokenizer by its bytes, as every stage that reads one keys it.
+        "examples": [manifest_fp(examples[0]), content_hash(examples[1])] if examples else None,
         "task": manifest_fp(task_dir) if task_dir else None,
         # A fine-tuning run directory is named by its own identity (data, model, config, seed).
         "finetuned": Path(finetuned["run_dir"]).name if finetuned else None,

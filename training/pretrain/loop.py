@@ -162,7 +162,7 @@ class Worker:
             self.cfg.prefetch == "auto" and self.engine.device.type == "cuda"
         )
         self.batches = Prefetcher(self._plan, ahead)
-        torch.manual_seed(_seed_for(job.seed, ctx.rank))  # dropout differs across ranks
+        ckpt.seed_rngs(_seed_for(job.seed, ctx.rank))  # dropout differs across ranks
 
     def _build_engine(self, model: torch.nn.Module) -> None:
         """The DeepSpeed engine over `model`, and the loss function (compiled if asked)."""

@@ -314,6 +314,18 @@ def check_resharded(ckpt: Path, meta: dict[str, Any], loss: float, world_size: i
         )
 
 
+def seed_rngs(seed: int) -> None:
+    """Seed this process's torch, NumPy and Python RNGs: what `rng_state` saves.
+
+    The loops draw from torch alone (and from counter-based seeds), but seeding all three makes
+    any library's draw from the global RNGs repeat run to run, and the checkpoints' RNG files the
+    same bits for the same recipe.
+    """
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     """The RNG states that dropout and any host-side draw depend on, for this process.
 

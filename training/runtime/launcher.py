@@ -10,7 +10,6 @@ finished and resumed (with `RunControl(resume=True)`) when it stopped.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -21,6 +20,7 @@ from typing import Any, Literal
 
 from tasks.common.io import fingerprint, sha256_file, source_hash
 from tasks.common.ray_runtime import RayConfig, ensure_ray
+from tasks.common.stage import content_hash
 from training.pretrain.config import ScaleConfig, TrainConfig
 from training.pretrain.data import read_manifest
 from training.pretrain.loop import PRETRAIN_LOOP, WorkerJob
@@ -81,7 +81,7 @@ def run_id_for(
     """
     inputs = {
         "examples": read_manifest(examples_dir)["fingerprint"],
-        "tokenizer": json.loads((tokenizer_dir / "manifest.json").read_text())["fingerprint"],
+        "tokenizer": content_hash(tokenizer_dir),  # its bytes: another vocabulary, another run
     }
     if teacher_dir is not None:
         weights = sorted(teacher_dir.glob("*.safetensors"))

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
+from workspace_bits import workspace_differences
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -124,6 +125,18 @@ def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed
     assert first["finetune"]["model_name"]
     built = mtimes(workspace)
     assert len(built) > 30
+
+    # Same recipe, same bits: a second fresh workspace, over its own copy of the inputs, gives
+    # the same output directories (fingerprints), shards, tokenizer and weights byte for byte,
+    # and the same records by value leaving out timings, run ids and paths (workspace_bits.py).
+    write_corpus(tmp_path / "demo2", SyntheticConfig(documents=300, task_examples=20))
+    twin = tmp_path / "twin"
+    pipeline_flow(load_config(RECIPE, [*recipe, *where(twin, tmp_path / "demo2")]))
+    inputs = (tmp_path / "demo", tmp_path / "demo2")
+    problems = workspace_differences(workspace, twin, inputs)
+    assert not problems, "\n".join(problems)
+    shutil.rmtree(twin)
+    shutil.rmtree(tmp_path / "demo2")
 
     # Nothing changed: every stage is a cache hit and no output file is touched; the data
     # stages are Prefect cache hits too, `Cached` in the API (and the UI).
