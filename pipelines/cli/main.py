@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     words = join_nested(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(words)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    log_http_requests(bool(getattr(args, "verbose", False)))
     debug = bool(getattr(args, "debug", False))
     guard = sigterm_raises() if args.command in STAGE_COMMANDS else contextlib.nullcontext()
     patient_temporary_api()
@@ -69,6 +70,21 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # reported as an exit code; the traceback with --debug
         log.debug("lmpipe %s failed", args.command, exc_info=exc)
         return int(report_failure(exc, debug))
+
+
+#: The HTTP clients under Prefect's and MLflow's API calls: each logs every request at INFO.
+HTTP_LOGGERS = ("httpx", "httpcore", "urllib3")
+
+
+def log_http_requests(verbose: bool) -> None:
+    """Keep the HTTP clients' request lines off the terminal unless `--verbose` asks for them.
+
+    A command makes dozens of API calls (a fine-tune printed 45 request lines of its 111), none
+    of which a user can act on; their warnings and errors still print. Prefect's and MLflow's
+    own records are untouched, so their UIs show what they did.
+    """
+    for name in HTTP_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
 
 def skip_final_collections() -> None:

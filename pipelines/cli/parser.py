@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"lmpipe {lmpipe_version()}")
     parser.add_argument("--debug", action="store_true", help="print a failure's full traceback")
+    parser.add_argument(
+        "--verbose", action="store_true", help="also log every HTTP request to Prefect and MLflow"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _data_commands(sub)
     _model_commands(sub)
@@ -114,9 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(module).register(sub)
     for name, command in sub.choices.items():
         command.formatter_class = _Formatter
-        command.add_argument(
-            "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-        )
+        for flag in ("--debug", "--verbose"):  # accepted after the command too
+            command.add_argument(
+                flag, action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+            )
         if name in COMMAND_SECTIONS:  # the others (export, notify, demo-corpus) read no recipe
             command.epilog = sections_help(name)
     return parser

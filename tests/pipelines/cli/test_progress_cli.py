@@ -173,6 +173,8 @@ def test_progress_is_live_on_a_terminal_and_one_line_per_log_interval_in_a_pipe(
     # In the pipe: no terminal codes; one line per log interval (loss), evaluation and epoch.
     log = piped.stdout
     assert not ESCAPE.search(log)
+    # A quiet terminal: none of the HTTP clients' request lines (`--verbose` asks for them).
+    assert not re.findall(r"^(?:DEBUG|INFO) (?:httpx|httpcore|urllib3)\b.*$", log, re.M)
     pre = progress_lines(log, "pretrain bert-tiny")
     losses = [int(m.group(1)) for line in pre if (m := re.search(r"step (\d+)/4.* loss ", line))]
     assert losses == list(range(LOG_EVERY, MAX_STEPS + 1, LOG_EVERY))
