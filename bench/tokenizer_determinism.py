@@ -22,14 +22,13 @@ import statistics
 import time
 from pathlib import Path
 
-from tokenizers import Tokenizer, models
 from tokenizers import trainers as tk_trainers
 
 from tasks.tokenizer.tokenizer import (
     TokenizerConfig,
-    _pipeline,
     special_tokens,
     train_tokenizer,
+    untrained_tokenizer,
 )
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -58,7 +57,7 @@ def corpus(mib: int) -> list[str]:
 
 def upstream(texts: list[str], cfg: TokenizerConfig) -> float:
     """Seconds for one upstream WordPiece training of `texts`."""
-    tok = _pipeline(Tokenizer(models.WordPiece(unk_token="[UNK]")), cfg)
+    tok = untrained_tokenizer(cfg)
     trainer = tk_trainers.WordPieceTrainer(
         vocab_size=cfg.vocab_size,
         min_frequency=cfg.min_frequency,

@@ -12,6 +12,7 @@ Pure functions over texts and files: no Ray, Prefect or MLflow here.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -250,37 +251,43 @@ def train_tokenizer(texts: TextSource, cfg: TokenizerConfig) -> Tokenizer:
         return from_sentencepiece(train_sentencepiece(source(), cfg), cfg)
     specials = special_tokens(cfg)
     if cfg.family == "wordpiece":
-
-        def blank() -> Tokenizer:
-            wordpiece = models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100)
-            return _pipeline(Tokenizer(wordpiece), cfg)
-
+        blank = functools.partial(untrained_tokenizer, cfg)
         tok = train_wordpiece(source, blank, specials, cfg.vocab_size, cfg.min_frequency)
-        tok.add_special_tokens(sentinels(cfg))
-        _post_processor(tok, cfg)
-        return tok
+    else:
+        tok = untrained_tokenizer(cfg)
+        tok.train_from_iterator(source(), trainer=_trainer(cfg, specials))
+    tok.add_special_tokens(sentinels(cfg))
+    _post_processor(tok, cfg)
+    return tok
+
+
+def untrained_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
+    """An empty tokenizer of `cfg.family` with its normaliser, pre-tokeniser and decoder."""
+    if cfg.family == "wordpiece":
+        model: models.Model = models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100)
+    elif cfg.family == "bpe":
+        model = models.BPE()
+    else:
+        model = models.Unigram()
+    return _pipeline(Tokenizer(model), cfg)
+
+
+def _trainer(cfg: TokenizerConfig, specials: list[str]) -> tk_trainers.Trainer:
+    """The `tokenizers` trainer of a BPE or (`unigram_trainer: tokenizers`) Unigram vocabulary."""
     if cfg.family == "bpe":
-        tok = Tokenizer(models.BPE())
-        trainer: tk_trainers.Trainer = tk_trainers.BpeTrainer(
+        return tk_trainers.BpeTrainer(
             vocab_size=cfg.vocab_size,
             min_frequency=cfg.min_frequency,
             special_tokens=specials,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
-    else:
-        tok = Tokenizer(models.Unigram())
-        trainer = tk_trainers.UnigramTrainer(
-            vocab_size=cfg.vocab_size - cfg.extra_ids,
-            special_tokens=specials,
-            unk_token="<unk>",
-            show_progress=False,
-        )
-    _pipeline(tok, cfg)
-    tok.train_from_iterator(source(), trainer=trainer)
-    tok.add_special_tokens(sentinels(cfg))
-    _post_processor(tok, cfg)
-    return tok
+    return tk_trainers.UnigramTrainer(
+        vocab_size=cfg.vocab_size - cfg.extra_ids,
+        special_tokens=specials,
+        unk_token="<unk>",
+        show_progress=False,
+    )
 
 
 def _replayable(texts: TextSource) -> Callable[[], Texts]:

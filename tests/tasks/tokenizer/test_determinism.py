@@ -146,10 +146,9 @@ def test_a_tokenizer_trained_before_still_loads(tmp_path: Path) -> None:
 
 
 def test_the_scan_finds_exactly_the_trainers_continuation_pieces() -> None:
-    from tokenizers import Tokenizer, models
     from tokenizers import trainers as tk_trainers
 
-    from tasks.tokenizer.tokenizer import _pipeline
+    from tasks.tokenizer.tokenizer import untrained_tokenizer
     from tasks.tokenizer.wordpiece import continuation_pieces
 
     texts = [
@@ -160,7 +159,7 @@ def test_the_scan_finds_exactly_the_trainers_continuation_pieces() -> None:
     ]
     for lowercase in (True, False):
         cfg = TokenizerConfig(family="wordpiece", vocab_size=2000, lowercase=lowercase)
-        tok = _pipeline(Tokenizer(models.WordPiece(unk_token="[UNK]")), cfg)
+        tok = untrained_tokenizer(cfg)
         trainer = tk_trainers.WordPieceTrainer(
             vocab_size=1, continuing_subword_prefix="##", show_progress=False
         )
