@@ -47,8 +47,8 @@ from tasks.common.ray_runtime import ensure_ray  # noqa: E402
 from tasks.demo.synthetic import SyntheticConfig  # noqa: E402
 from tasks.examples.config import ExamplesConfig  # noqa: E402
 from tasks.examples.stage import run_examples  # noqa: E402
-from training.evaluate.plots import step_history  # noqa: E402
 from training.pretrain.config import TrainConfig  # noqa: E402
+from training.scoring.plots import step_history  # noqa: E402
 
 #: torch's thread count before anything sets it: what a user's process gets.
 DEFAULT_THREADS = torch.get_num_threads()

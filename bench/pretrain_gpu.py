@@ -50,7 +50,7 @@ window, lmpipe trains `SYNC_CHECK_STEPS` more steps under
 `torch.cuda.set_sync_debug_mode("error")`: `sync_free` in the report says whether a step
 synchronised with the host, and `sync_error` where.
 MFU = `training.models.flops.flops_per_token` x tokens/s / the GPU's dense bf16 peak: the
-datasheet's (`training.runtime.telemetry.DATASHEET_PEAKS`, 989.4 TFLOP/s for an H100 SXM or H200)
+datasheet's (`training.pretrain.telemetry.DATASHEET_PEAKS`, 989.4 TFLOP/s for an H100 SXM or H200)
 and, in a second column, the matmul peak measured there.
 Targets: MFU >= 45% for GPT-2 and >= 40% for BERT-base, against the datasheet peak.
 
@@ -285,10 +285,10 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
     """Run lmpipe's loop (`Worker.run`) here, on one rank without Ray; its logged steps."""
     import torch
 
-    from training.evaluate.plots import step_history
     from training.pretrain.config import TrainConfig
     from training.pretrain.loop import Worker, WorkerJob
-    from training.runtime.context import LocalContext, init_single_process
+    from training.runtime.worker_context import LocalContext, init_single_process
+    from training.scoring.plots import step_history
 
     run_dir, batch = Path(spec["run_dir"]), spec["batch"]
     gpu = spec["device"] == "cuda"
@@ -407,7 +407,7 @@ def _bf16(spec: dict[str, Any]) -> bool:
 
     A CPU run is a check of the code path (`--device cpu`); emulated bf16 would only slow it.
     """
-    from training.pretrain.config import cpu_has_native_bf16
+    from training.runtime.precision import cpu_has_native_bf16
 
     return spec["device"] == "cuda" or cpu_has_native_bf16()
 
@@ -626,7 +626,7 @@ def child_device(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import transformers
 
-    from training.runtime.telemetry import measure_cuda_peak_flops, measure_peak_flops, peak_flops
+    from training.pretrain.telemetry import measure_cuda_peak_flops, measure_peak_flops, peak_flops
 
     info: dict[str, Any] = {
         "python": platform.python_version(),

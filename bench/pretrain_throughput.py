@@ -439,7 +439,8 @@ def train_config(spec: dict[str, Any], storage: Path) -> Any:
 
     Evaluation and checkpoints happen only after the last step (outside the timed window).
     """
-    from training.pretrain.config import CheckpointConfig, EvalConfig, ScaleConfig, TrainConfig
+    from training.pretrain.config import EvalConfig, TrainConfig
+    from training.runtime.config import CheckpointConfig, ScaleConfig
 
     return TrainConfig(
         model=model_section(),
@@ -467,7 +468,7 @@ def train_config(spec: dict[str, Any], storage: Path) -> Any:
 def child_lmpipe_local(spec: dict[str, Any]) -> dict[str, Any]:
     """Run lmpipe's loop (`run_worker`) here: `LocalContext`, one gloo rank, no Ray."""
     from training.pretrain.loop import WorkerJob, run_worker
-    from training.runtime.context import LocalContext, init_single_process
+    from training.runtime.worker_context import LocalContext, init_single_process
 
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -486,9 +487,9 @@ def child_lmpipe_local(spec: dict[str, Any]) -> dict[str, Any]:
 def child_lmpipe_ray(spec: dict[str, Any]) -> dict[str, Any]:
     """Run lmpipe's loop on Ray Train (`run_training`): 1 worker, 2 CPUs, a local Ray."""
     from tasks.common.ray_runtime import RayConfig
-    from training.registry.tracking import TrackingConfig
-    from training.runtime.launcher import run_id_for, run_training, storage_root
+    from training.pretrain.driver import run_id_for, run_training, storage_root
     from training.runtime.run_context import RunContext
+    from training.tracking.runs import TrackingConfig
 
     workspace = Path(spec["run_dir"])
     examples, tokenizer = Path(spec["examples_dir"]), Path(spec["tokenizer_dir"])
@@ -508,7 +509,7 @@ def child_peak(spec: dict[str, Any]) -> dict[str, Any]:
     """The matmul peak of 2 threads in fp32 and bf16 (`telemetry.measure_peak_flops`)."""
     import torch
 
-    from training.runtime.telemetry import measure_peak_flops
+    from training.pretrain.telemetry import measure_peak_flops
 
     seconds = spec.get("seconds", 2.0)
     return {
@@ -535,7 +536,7 @@ def child_ab(spec: dict[str, Any]) -> dict[str, Any]:
     `backward` and `step` and the loop's `pretraining_loss` (forward, including the loss).
     """
     import training.pretrain.loop as lmpipe_loop
-    from training.runtime.context import LocalContext, init_single_process
+    from training.runtime.worker_context import LocalContext, init_single_process
 
     run_dir, steps = Path(spec["run_dir"]), spec["warmup"] + spec["steps"]
     job = lmpipe_loop.WorkerJob(

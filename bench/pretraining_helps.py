@@ -58,8 +58,8 @@ from tasks.tokenizer.stage import run_tokenizer  # noqa: E402
 from tasks.tokenizer.tokenizer import TokenizerConfig  # noqa: E402
 from training.pretrain.config import TrainConfig  # noqa: E402
 from training.pretrain.stage import pretrain_stage  # noqa: E402
-from training.registry.tracking import TrackingConfig  # noqa: E402
 from training.runtime.run_context import RunContext  # noqa: E402
+from training.tracking.runs import TrackingConfig  # noqa: E402
 
 RAY = RayConfig(num_workers=2, num_cpus=4)
 Split = tuple[list[str], list[int]]

@@ -247,8 +247,8 @@ class DemoData:
     ) -> dict[str, Any]:
         """`pretrain_stage` (seed 0, 2 workers on the session's Ray) on examples of `examples`."""
         from training.pretrain.stage import pretrain_stage
-        from training.registry.tracking import TrackingConfig
         from training.runtime.run_context import RunContext
+        from training.tracking.runs import TrackingConfig
 
         tracking = TrackingConfig(tracking_uri=mlflow_uri, experiment=experiment)
         run = RunContext(workspace, seed=0, ray=self.ray, tracking=tracking, name=run_name)

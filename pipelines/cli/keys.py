@@ -2,7 +2,7 @@
 
 `lmpipe config --keys SECTION` prints each key under SECTION (e.g. `train.optim`) with its type,
 its constraints, its default and its description, read from the pydantic models themselves
-(`pipelines/config.py` and the section models it composes), so the listing cannot drift from
+(`pipelines/config/` and the section models it composes), so the listing cannot drift from
 what validation accepts. `COMMAND_SECTIONS` is what each command's `--help` lists. Nothing here
 imports torch, Ray, Prefect, MLflow or transformers.
 """

@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 
 from pipelines.config import ConfigError, RunConfig, load_config
-from pipelines.ops.deployments_config import LMPIPE_TAG, DeploymentsConfig
+from pipelines.config.deployments import LMPIPE_TAG, DeploymentsConfig
 
 console = Console(stderr=False)
 

@@ -1,7 +1,7 @@
 """`lmpipe up` / `lmpipe down`: start and stop the local Prefect and MLflow servers.
 
 The servers' settings are the recipe's `servers:` section
-(`pipelines.ops.servers_config.ServersConfig`) and its `workspace`; `servers_from_recipe` reads
+(`pipelines.config.servers.ServersConfig`) and its `workspace`; `servers_from_recipe` reads
 them until `servers` joins `RunConfig`.
 The servers themselves are managed in `pipelines.ops.servers`.
 """
@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from pipelines.config import ConfigError, _apply_override, read_recipe
+from pipelines.config.servers import ServersConfig
 from pipelines.ops.server_processes import ServersError
 from pipelines.ops.servers import ServerStatus, resolve_state_dir, start_servers, stop_servers
-from pipelines.ops.servers_config import ServersConfig
 
 console = Console(highlight=False, soft_wrap=True)  # long paths stay on one line
 

@@ -2,7 +2,7 @@
 
 Each data stage's run lists the outputs it read as MLflow dataset inputs (`stage_inputs`): the
 upstream stages named in its manifest, or, for ingestion and a downstream task, its source
-files. Every run here is opened and ended by `training.registry.tracking.tracked_run`.
+files. Every run here is opened and ended by `training.tracking.runs.tracked_run`.
 
 MLflow holds the runs that did work. A data stage's run is recorded in the workspace
 (`<workspace>/mlflow-runs/`, one small JSON file per output, store and experiment); a cache
@@ -30,8 +30,8 @@ from prefect.context import FlowRunContext
 
 from pipelines.config import RunConfig
 from tasks.common.io import atomic_writer, fingerprint, public_dump
-from training.registry.local_store import local_store_uri
-from training.registry.tracking import DatasetRef, MlflowTracker, tracked_run
+from training.tracking.local_store import local_store_uri
+from training.tracking.runs import DatasetRef, MlflowTracker, tracked_run
 
 log = logging.getLogger(__name__)
 _MAX_FILE_INPUTS = 64  # corpus files listed one by one; more are grouped by source
@@ -93,7 +93,7 @@ def run_record(cfg: RunConfig, result: dict[str, Any]) -> Path:
     SQLite one, a server) or experiment has its own record. The URI itself, which may carry a
     password, is not written. The workspace's own store and an output inside the workspace are
     named without the workspace's place, so a copied or moved workspace, whose store moves
-    with it (`training.registry.local_store`), finds its records.
+    with it (`training.tracking.local_store`), finds its records.
     """
     workspace = Path(cfg.workspace)
     uri = str(cfg.tracking.tracking_uri)

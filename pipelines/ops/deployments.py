@@ -3,7 +3,7 @@
 Here: the recipe as a deployment parameter (`recipe_parameters`), `build_deployments` (what
 `lmpipe serve` serves) and the failure-notification automation (`failure_automation`,
 `ensure_failure_automation`). The recipe's `deployments` section (`DeploymentsConfig`: which
-flows, their schedules, serve's concurrency) is in `pipelines/ops/deployments_config.py`.
+flows, their schedules, serve's concurrency) is in `pipelines/config/deployments.py`.
 Not here: the work-pool route, which is `prefect.yaml` at the repository root plus
 `infra/prefect/`, and the command line (`pipelines/cli/serve.py`).
 """
@@ -22,7 +22,7 @@ from pydantic import BaseModel, SecretBytes, SecretStr
 from pydantic_core import to_jsonable_python
 
 from pipelines.config import ConfigError, RunConfig, load_config
-from pipelines.ops.deployments_config import (
+from pipelines.config.deployments import (
     AUTOMATION_NAME,
     FAILED_EVENTS,
     FLOWS,

@@ -13,7 +13,7 @@ from pathlib import Path
 from pipelines.config import RunConfig
 from tasks.common.ray_runtime import check_storage
 from tasks.common.workspace import open_workspace
-from training.registry.local_store import local_store_uri, open_local_store
+from training.tracking.local_store import local_store_uri, open_local_store
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ file (pid, pgid, port, URL, command) under the state directory, `<workspace>/.se
 default. Secrets (database URLs, passwords) reach the servers through their environment, never
 their command line, so neither `ps` nor the state file shows them.
 
-Not here: the `servers:` section (`pipelines.ops.servers_config`), the state record and process
+Not here: the `servers:` section (`pipelines.config.servers`), the state record and process
 groups (`pipelines.ops.server_processes`), the command line (`pipelines.cli.servers`) and the
 docker-compose stack (`infra/docker-compose.yml`).
 """
@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import psutil
 
+from pipelines.config.servers import ServersConfig, exposure_problem
 from pipelines.ops.server_processes import (
     ServersError,
     ServerState,
@@ -38,7 +39,6 @@ from pipelines.ops.server_processes import (
     read_state,
     stop_group,
 )
-from pipelines.ops.servers_config import ServersConfig, exposure_problem
 
 log = logging.getLogger(__name__)
 

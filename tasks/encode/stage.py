@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from prefect import get_run_logger
@@ -41,6 +41,9 @@ from tasks.encode.encode import (
     merge_stats,
 )
 from tasks.tokenizer.tokenizer import unknown_id
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 STAGE = "encode"
 HISTOGRAM_PNG = "tokens_per_document.png"
@@ -87,22 +90,8 @@ def run_encode(
     tok_file = tokenizer_dir / "tokenizer.json"
     tok = Tokenizer.from_file(str(tok_file))
     ids = id_type(tok.get_vocab_size(with_added_tokens=True), cfg)
-    unk_id = unknown_id(tok)
     parts = encode_parts(ingest, cfg.shard_documents)
-    jobs = [
-        EncodeJob(
-            src=str(safe_join(ingest_dir, shard["name"], what="ingest shard")),
-            start=start,
-            stop=stop,
-            dst=str(safe_join(out.path, name, what="token shard")),
-            stats=str(staging / f"{name}.json"),
-            tokenizer=str(tok_file),
-            ids=str(ids),
-            unk_id=unk_id,
-            cfg=cfg,
-        )
-        for _, shard, start, stop, name in parts
-    ]
+    jobs = encode_jobs(cfg, (ingest_dir, out.path, staging, tok_file), parts, ids, unknown_id(tok))
     tick = ticker(progress, "encode", len(jobs))
     sizes = [job.stop - job.start for job in jobs]
     results = run_units(encode_shard, jobs, ray_cfg, on_done=tick, sizes=sizes)
@@ -125,6 +114,35 @@ def run_encode(
         "metrics": summary_metrics(total) | {"elapsed_s": round(time.monotonic() - started, 3)},
     }
     return out.commit(manifest)
+
+
+def encode_jobs(
+    cfg: EncodeConfig,
+    paths: tuple[Path, Path, Path, Path],
+    parts: list[Part],
+    ids: pa.DataType,
+    unk_id: int | None,
+) -> list[EncodeJob]:
+    """One `EncodeJob` per part of the ingest shards.
+
+    `paths` are the ingest output, the output, its staging directory and the tokenizer file;
+    `ids` is the token id type and `unk_id` the unknown token's id.
+    """
+    ingest_dir, out_dir, staging, tok_file = paths
+    return [
+        EncodeJob(
+            src=str(safe_join(ingest_dir, shard["name"], what="ingest shard")),
+            start=start,
+            stop=stop,
+            dst=str(safe_join(out_dir, name, what="token shard")),
+            stats=str(staging / f"{name}.json"),
+            tokenizer=str(tok_file),
+            ids=str(ids),
+            unk_id=unk_id,
+            cfg=cfg,
+        )
+        for _, shard, start, stop, name in parts
+    ]
 
 
 #: One token shard to write: (split, ingest shard entry, first row, stop row, shard name).

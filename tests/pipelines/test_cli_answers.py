@@ -253,7 +253,8 @@ def _class_exists(qualified: str) -> bool:
 
         return f"{ValidationError.__module__}.{ValidationError.__qualname__}" == qualified
     if top in ("pipelines", "tasks", "training"):
-        path = REPO / Path(*module.split(".")).with_suffix(".py")
+        path = REPO / Path(*module.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     else:  # read the installed source: importing prefect here would cost seconds
         spec = importlib.util.find_spec(top)
         assert spec is not None
@@ -290,7 +291,7 @@ def test_lmpipe_ingest_on_a_corrupt_file_exits_3_through_the_prefect_flow(
 def test_the_default_schedules_built_unvalidated_are_valid() -> None:
     # DeploymentsConfig builds its default schedules with model_construct (validating a cron
     # expression imports Prefect); here they go through the validator.
-    from pipelines.ops.deployments_config import DeploymentsConfig, ScheduleConfig
+    from pipelines.config.deployments import DeploymentsConfig, ScheduleConfig
 
     for schedule in DeploymentsConfig().schedules:
         dumped = json.loads(schedule.model_dump_json())

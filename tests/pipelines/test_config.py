@@ -5,7 +5,7 @@ import yaml
 
 from pipelines.config import ConfigError, load_config
 from tasks.common.io import public_dump
-from training.pretrain.config import NO_NATIVE_BF16_ENV
+from training.runtime.precision import NO_NATIVE_BF16_ENV
 
 BASE = {"name": "t", "ingest": {"sources": [{"path": "corpus.txt"}]}}
 

@@ -30,9 +30,9 @@ from tasks.examples.stage import run_examples
 from tasks.tokenizer.stage import run_tokenizer
 from tasks.tokenizer.tokenizer import TokenizerConfig
 from training.pretrain.data import DataError, ExampleShards
+from training.pretrain.driver import TrainingRun
 from training.pretrain.stage import export_checkpoint
 from training.runtime import checkpoint as ckpt
-from training.runtime.launcher import TrainingRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
 

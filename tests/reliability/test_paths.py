@@ -102,7 +102,7 @@ def test_downstream_task_name_is_refused(name: str) -> None:
 def test_registered_model_name_is_refused_before_mlflow(tmp_path: Path, name: str) -> None:
     from training.finetune.config import BaseModelRef
     from training.finetune.stage import resolve_base_model
-    from training.registry.registry import ModelVersionRef, download_model, resolve_version
+    from training.tracking.registry import ModelVersionRef, download_model, resolve_version
 
     missing = f"sqlite:///{tmp_path / 'no-such-dir' / 'mlflow.db'}"  # never opened
     with pytest.raises(UnsafePathError):
@@ -151,7 +151,7 @@ def test_example_and_stage_manifest_names_cannot_escape(tmp_path: Path, name: st
 
 @pytest.mark.parametrize("binary", ["../../outside", "/etc", "%2e%2e/outside", "model/../.."])
 def test_registry_mlmodel_cannot_name_directories_outside(tmp_path: Path, binary: str) -> None:
-    from training.registry.registry import _flatten_flavor
+    from training.tracking.registry import _flatten_flavor
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -166,7 +166,7 @@ def test_registry_mlmodel_cannot_name_directories_outside(tmp_path: Path, binary
 
 
 def test_registry_download_with_a_symlink_is_refused(tmp_path: Path) -> None:
-    from training.registry.registry import _flatten_flavor
+    from training.tracking.registry import _flatten_flavor
 
     download = tmp_path / "dl"
     (download / "model").mkdir(parents=True)

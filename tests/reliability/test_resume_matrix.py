@@ -25,9 +25,9 @@ from figures import FULL, record_row
 from tasks.common.ray_runtime import RayConfig
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import Cursor, ExampleShards, GlobalOrder
-from training.registry.tracking import TrackingConfig
-from training.runtime.launcher import RunControl, run_training
+from training.pretrain.driver import RunControl, run_training
 from training.runtime.run_context import RunContext
+from training.tracking.runs import TrackingConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
 

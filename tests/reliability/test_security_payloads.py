@@ -280,7 +280,7 @@ def test_registry_model_with_pickle_weights_is_refused(
 ) -> None:
     from training.finetune.config import BaseModelRef
     from training.finetune.stage import resolve_base_model
-    from training.registry.registry import (
+    from training.tracking.registry import (
         Registration,
         download_model,
         register_export,

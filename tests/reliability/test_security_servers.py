@@ -44,9 +44,9 @@ from figures import record
 
 from pipelines.cli.servers import servers_from_recipe
 from pipelines.config import ConfigError
+from pipelines.config.servers import MLFLOW_LEGACY_DEFAULT_PASSWORD, ServersConfig
 from pipelines.ops.server_processes import ServersError, ServerState, group_processes
 from pipelines.ops.servers import start_servers, stop_servers
-from pipelines.ops.servers_config import MLFLOW_LEGACY_DEFAULT_PASSWORD, ServersConfig
 from tasks.common.ray_runtime import RayAuthError, RayConfig, ensure_ray, ray_auth_problem
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]

@@ -27,9 +27,9 @@ from training_runs import tiny_bert_config
 
 from training.models.export import gather_state_dict
 from training.pretrain.config import TrainConfig
+from training.pretrain.driver import TrainingRun
 from training.runtime import checkpoint as ckpt
 from training.runtime.faults import SAVE_POINTS, FaultPlan, FaultPoint, chain
-from training.runtime.launcher import TrainingRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.reliability]
 
@@ -173,7 +173,7 @@ def test_random_worker_kill_loses_and_repeats_no_sample(
     marker = tmp_path / "fired"
     started = time.time()
     if point == "external":
-        from training.runtime.launcher import run_id_for
+        from training.pretrain.driver import run_id_for
 
         cfg = chaos_config(storage)
         data = clean["data"]

@@ -11,9 +11,9 @@ from typing import Any
 
 from tasks.common.ray_runtime import RayConfig
 from training.pretrain.config import TrainConfig
-from training.registry.tracking import TrackingConfig
-from training.runtime.launcher import RunControl, TrainingRun, run_training
+from training.pretrain.driver import RunControl, TrainingRun, run_training
 from training.runtime.run_context import RunContext
+from training.tracking.runs import TrackingConfig
 
 
 def tiny_bert_config(

@@ -20,12 +20,18 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from training.evaluate.config import GenerationSettings, IntrinsicConfig
-from training.evaluate.generation import generate_texts
-from training.pretrain.data import BatchBuilder, ExampleShards, dynamic_masker, read_manifest
-from training.pretrain.loop import EVAL_EPOCH
+from training.evaluate.config import IntrinsicConfig
+from training.pretrain.data import (
+    EVAL_EPOCH,
+    BatchBuilder,
+    ExampleShards,
+    dynamic_masker,
+    read_manifest,
+)
 from training.pretrain.losses import pretraining_loss
-from training.runtime.telemetry import StepMeter, metrics_from
+from training.pretrain.telemetry import StepMeter, metrics_from
+from training.scoring.config import GenerationSettings
+from training.scoring.generation import generate_texts
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ query itself), `score_continuations` (the log-probability a causal LM, or T5's d
 each verbalizer after each prompt) and `classify_by_prompting`, which returns predicted label
 indexes and per-label scores (softmax them for AUC). Also `to_text_to_text`, a classification
 table rewritten as seq2seq (template -> verbalizer) to fine-tune T5 the text-to-text way.
-Not here: generation (`training/evaluate/generation.py`), metrics.
+Not here: generation (`training/scoring/generation.py`), metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tasks.common.schema import EXAMPLE_ID, LABEL, TARGET, TEXT, TEXT_PAIR, downstream_schema
 from training.evaluate.config import PromptConfig as PromptConfig
-from training.finetune.features.base import IGNORE_INDEX, causal_bos, pad_id, strings
+from training.finetune.features.base import IGNORE_INDEX, strings
+from training.models.tokens import causal_bos, pad_id
 
 log = logging.getLogger(__name__)
 

@@ -33,14 +33,14 @@ from training.evaluate.intrinsic import (
     heldout_metrics,
     sentence_embeddings,
 )
-from training.evaluate.metrics.metrics import compute_metrics, embedding_similarity_metrics
 from training.evaluate.prompting import classify_by_prompting
-from training.evaluate.report import html_page, markdown_table
 from training.models.export import load_export
 from training.models.models import FAMILIES
-from training.registry.tracking import DatasetRef, output_ref, tracked_run
 from training.runtime.progress import ProgressSpec, artifact_key, local_progress
 from training.runtime.run_context import RunContext
+from training.scoring.metrics.metrics import compute_metrics, embedding_similarity_metrics
+from training.scoring.report import html_page, markdown_table
+from training.tracking.runs import DatasetRef, output_ref, tracked_run
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from training.evaluate.report import comparison_report
 from training.finetune.config import CompareConfig as CompareConfig
 from training.finetune.config import CompareEntry as CompareEntry
-from training.registry.tracking import output_ref, tracked_run
 from training.runtime.run_context import RunContext
+from training.scoring.report import comparison_report
+from training.tracking.runs import output_ref, tracked_run
 
 
 def summarise_comparison(

@@ -14,10 +14,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from training.evaluate.config import GenerationSettings
 from training.finetune.features.base import FeatureConfig
-from training.pretrain.config import AutoPrecision, ScaleConfig
-from training.registry.model_ref import BaseModelRef
+from training.models.config import BaseModelRef
+from training.runtime.config import ScaleConfig
+from training.runtime.precision import AutoPrecision
+from training.scoring.config import GenerationSettings
 
 
 class AdapterConfig(BaseModel):

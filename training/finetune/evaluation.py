@@ -5,7 +5,7 @@ outputs of every rank (so every rank computes the same metrics and takes the sam
 decision) and turns them into per-example predictions: windows aggregated (classification),
 piece logits mapped to word tags (NER), start/end logits to answer strings (QA), generated text
 (seq2seq) or response log-likelihood (causal LM). Metrics come from
-`training/evaluate/metrics/metrics.py`.
+`training/scoring/metrics/metrics.py`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 
 from tasks.common import schema
-from training.evaluate.generation import generate_texts
-from training.evaluate.metrics.metrics import compute_metrics, primary_metric
 from training.finetune.config import FinetuneConfig
 from training.finetune.data import TaskData
 from training.finetune.features.features import Features, aggregate_windows
 from training.finetune.features.qa import AnswerConfig, postprocess_qa
 from training.finetune.features.tokens import word_predictions
+from training.scoring.generation import generate_texts
+from training.scoring.metrics.metrics import compute_metrics, primary_metric
 
 log = logging.getLogger(__name__)
 

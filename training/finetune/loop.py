@@ -28,12 +28,12 @@ from training.finetune.outputs import confusion_entry, run_result, write_outputs
 from training.finetune.strategies import apply_strategy, head_prefixes_for
 from training.models.export import max_length
 from training.models.task_models import load_task_model
-from training.registry.tracking import MlflowTracker, NullTracker, Tracker
-from training.runtime.context import LoopEntry, RayWorkerContext, WorkerContext
-from training.runtime.deepspeed import merge
+from training.runtime.deepspeed import adamw_section, merge
 from training.runtime.engine import Engine, TorchEngine, initialize_deepspeed
 from training.runtime.progress import connect_progress
 from training.runtime.schedule import GroupLRSchedule
+from training.runtime.worker_context import LoopEntry, RayWorkerContext, WorkerContext
+from training.tracking.runs import MlflowTracker, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -95,18 +95,7 @@ def _engine(job: FinetuneJob, model: torch.nn.Module, groups: list[dict[str, Any
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": {"stage": cfg.zero_stage},
         "bf16": {"enabled": cfg.precision == "bf16"},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": cfg.lr,
-                "betas": list(cfg.betas),
-                "eps": cfg.eps,
-                "weight_decay": cfg.weight_decay,
-                "torch_adam": True,
-                "adam_w_mode": True,
-                "fused": True,  # as in pretraining (training/runtime/deepspeed.py)
-            },
-        },
+        "optimizer": adamw_section(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay),
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
     }

@@ -92,7 +92,7 @@ def confusion_entry(data: TaskData, test_predictions: list[Any] | None) -> dict[
     if data.task_type != "classification" or test_predictions is None or "test" not in data.tables:
         return {}
     gold = data.tables["test"].column(schema.LABEL).to_numpy()[: len(test_predictions)]
-    # see training/evaluate/metrics/metrics.py: import cost
+    # see training/scoring/metrics/metrics.py: import cost
     from sklearn.metrics import confusion_matrix
 
     matrix = confusion_matrix(gold, test_predictions, labels=list(range(len(data.labels))))

@@ -24,18 +24,19 @@ from tasks.common.workspace import relocate_record
 from training.finetune.config import FinetuneConfig
 from training.finetune.loop import FINETUNE_LOOP, FinetuneJob
 from training.finetune.outputs import EXPORT_DIR, RESULT_FILE
-from training.registry.model_ref import BaseModelRef, resolve_base_model
-from training.registry.registry import Registration, register_export
-from training.registry.tracking import (
+from training.models.config import BaseModelRef
+from training.runtime.launcher import fit
+from training.runtime.progress import ProgressSpec, artifact_key
+from training.runtime.run_context import RunContext
+from training.tracking.model_ref import resolve_base_model
+from training.tracking.registry import Registration, register_export
+from training.tracking.runs import (
     DatasetRef,
     MlflowTracker,
     TrackingConfig,
     output_ref,
     tracked_run,
 )
-from training.runtime.launcher import fit
-from training.runtime.progress import ProgressSpec, artifact_key
-from training.runtime.run_context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ def _publish(
     task: dict[str, Any],
     lineage: dict[str, str],
 ) -> dict[str, Any]:
-    from training.evaluate.report import finetune_report
+    from training.scoring.report import finetune_report
 
     tracker = MlflowTracker(uri, mlflow_run)
     test = {f"test_{k}": float(v) for k, v in run.result["test"].items()}

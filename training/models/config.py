@@ -1,19 +1,20 @@
-"""The `train.model` and `train.electra` sections: which model to pretrain, and the ELECTRA pair.
+"""Which model: `train.model`, `train.electra`, `train.distillation`, and a base model's source.
 
 Only the config models and the names they use (families, sizes, aliases) live here, so that a
 recipe validates without importing torch or transformers (`lmpipe config` answers at once). What
 they mean is in the modules that use them: `training/models/models.py` (families, presets, the
 transformers config), `attention.py` (the FlexAttention implementation of document-masked causal
-blocks) and `electra.py`, which re-export these names. `train.distillation`
-(`DistillConfig`) is in `training/pretrain/config.py`: it names a base model
-(`training.registry.model_ref`), whose resolution imports the model code.
+blocks), `electra.py` and `distill.py`, which re-export these names. `BaseModelRef` (a local
+directory or a registry version: fine-tuning's base, distillation's teacher) is resolved by
+`training/tracking/model_ref.py`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Family = Literal[
     "bert",
@@ -179,3 +180,40 @@ def document_attention(
     if attention == "auto":
         return "dense" if problem else "flex"
     return attention
+
+
+class BaseModelRef(BaseModel):
+    """Where the model to fine-tune comes from: a local HF directory or a registry version."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    path: Path | None = Field(
+        None, description="A local Hugging Face model directory (safetensors weights only)."
+    )
+    registry_name: str | None = Field(
+        None, description="A registered MLflow model name, e.g. demo-bert."
+    )
+    version: str = Field(
+        "candidate", description="Registry alias or version number of `registry_name`."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> BaseModelRef:
+        if (self.path is None) == (self.registry_name is None):
+            raise ValueError("set exactly one of `path` and `registry_name`")
+        return self
+
+
+class DistillConfig(BaseModel):
+    """The teacher and the loss weights of distillation (`train.distillation`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    teacher: BaseModelRef = Field(
+        description="The BERT teacher: a local HF directory (`path`) or a registry version."
+    )
+    temperature: float = Field(2.0, gt=0, description="Softmax temperature of the soft targets.")
+    alpha_kd: float = Field(5.0, ge=0, description="Weight of the soft-target KL loss.")
+    alpha_mlm: float = Field(2.0, ge=0, description="Weight of the student's masked-LM loss.")
+    alpha_cos: float = Field(1.0, ge=0, description="Weight of the hidden-state cosine loss.")
+    student_layers: int | None = Field(
+        None, ge=1, description="Student depth; None: half the teacher's layers."
+    )

@@ -20,8 +20,8 @@ import torch
 import transformers as tf
 from torch import nn
 
+from training.models.config import DistillConfig as DistillConfig
 from training.models.export import require_safetensors
-from training.pretrain.config import DistillConfig as DistillConfig
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Here: consolidating DeepSpeed checkpoints into fp32 weights (`gather_state_dict`
 layouts of a fine-tuned export (`export_layout`) and the loader of its peft layout
 (`load_peft_export`). Not here: building models (`training/models/models.py`), saving adapters
 and loading lmpipe's (`training/finetune/adapters.py`) and the MLflow registry
-(`training/registry/registry.py`).
+(`training/tracking/registry.py`).
 """
 
 from __future__ import annotations

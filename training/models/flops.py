@@ -13,9 +13,8 @@ import torch
 import transformers as tf
 from torch import Tensor, nn
 
-from training.models.models import family_of, model_class
+from training.models.models import MLM_OBJECTIVES, SEQ2SEQ_OBJECTIVES, family_of, model_class
 from training.models.vocab import UNPADDED_VOCAB
-from training.pretrain.losses import MLM_OBJECTIVES, SEQ2SEQ_OBJECTIVES
 
 #: The vocabulary projection of each family (tied to the input embedding except for llama).
 _OUTPUT_LAYER = {

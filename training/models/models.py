@@ -236,6 +236,10 @@ FAMILIES: dict[Family, FamilySpec] = {
 
 #: The example objectives (`examples.objective`) each family trains on.
 OBJECTIVES: dict[str, tuple[str, ...]] = {name: spec.objectives for name, spec in FAMILIES.items()}
+#: The objectives whose loss is a masked-LM loss (a pair loss beside it for bert and sop).
+MLM_OBJECTIVES = ("bert", "sop", "roberta")
+#: The encoder-decoder objectives, with the name of their batch layout.
+SEQ2SEQ_OBJECTIVES = {"span_corruption": "span", "denoising": "denoise"}
 #: Families whose position ids start after the pad id (fairseq's numbering).
 PAD_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "longformer"})
 

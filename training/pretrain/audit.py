@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.runtime.context import WorkerContext
+from training.runtime.worker_context import WorkerContext
 
 
 def write_pid(run_dir: Path, rank: int) -> None:

@@ -1,170 +1,30 @@
 """The `train` section: what to pretrain, on how many workers, and how (optimizer, precision, ZeRO).
 
-The DeepSpeed dict is derived from this (`training/runtime/deepspeed.py`), never hand-written; extra
-DeepSpeed keys can still be passed through `deepspeed_extra`. What `precision: auto` means on this
-machine (`cpu_has_native_bf16`, `resolve_auto_precision`) and when bf16 is refused
-(`emulated_bf16_problem`) live here too; fine-tuning uses the same rules. So does the
-`train.distillation` section (`DistillConfig`, re-exported by `training/models/distill.py`), so
-that a recipe validates without importing torch (`lmpipe config`).
+The DeepSpeed dict is derived from this (`deepspeed_config`), never hand-written; extra
+DeepSpeed keys can still be passed through `deepspeed_extra`. The sections it shares with
+fine-tuning are the runtime's (`training/runtime/config.py`: scale, guard, checkpoints; what
+`precision: auto` means, `training/runtime/precision.py`); the model's and distillation's are in
+`training/models/config.py`. Nothing here imports torch, so a recipe validates at once.
 """
 
 from __future__ import annotations
 
-import os
-import platform
-from functools import cache
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
-from pydantic.functional_validators import ModelWrapValidatorHandler
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from training.models.config import (
     Attention,
+    DistillConfig,
     DocumentAttention,
     ElectraConfig,
     ModelConfig,
     document_attention,
 )
 from training.pretrain.length_schedule import LengthSchedule
-from training.registry.model_ref import BaseModelRef
-
-# Linux /proc/cpuinfo flags of native bf16 matrix instructions: AVX512-BF16 and AMX-BF16.
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-# The test-only switch of `assume_no_native_bf16` (docs/testing.md).
-NO_NATIVE_BF16_ENV = "LMPIPE_ASSUME_NO_NATIVE_BF16"
-X86_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
-
-
-def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The CPU flags named on the `flags` lines of a Linux /proc/cpuinfo text (x86 only)."""
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "flags":
-            flags.update(value.split())
-    return frozenset(flags)
-
-
-@cache
-def _linux_cpu_flags() -> frozenset[str] | None:
-    try:
-        return parse_cpu_flags(Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace"))
-    except OSError:  # not Linux, or no procfs
-        return None
-
-
-def assume_no_native_bf16() -> bool:
-    """Test-only switch: whether `LMPIPE_ASSUME_NO_NATIVE_BF16` is set (to anything but 0).
-
-    It makes `cpu_has_native_bf16` answer False, so the suite runs as it would on a CPU without
-    native bf16 (docs/testing.md). This is the one environment read outside the `pipelines/`
-    entry points: the answer is needed wherever a config is validated, and a switch meant only
-    for tests should not become a config key.
-    """
-    return os.environ.get(NO_NATIVE_BF16_ENV, "") not in ("", "0")
-
-
-def torch_has_native_bf16() -> bool:
-    """Ask torch's private probes for AVX512-BF16 and AMX tiles (x86 only).
-
-    Imports torch, so it is asked only where /proc/cpuinfo cannot answer.
-    """
-    import torch
-
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu, private
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX-BF16).
-
-    There bf16 autocast trains about 1.7x as fast as fp32 (docs/benchmarks.md); without them
-    bf16 is emulated and far slower than fp32. On Linux the answer comes from the CPU flags in
-    /proc/cpuinfo, without importing torch (an ARM CPU has no `flags` lines: False). Elsewhere
-    an x86 CPU asks torch's probes, imported only then, and any other CPU is taken to have none:
-    torch's CPU bf16 kernels are native only through those x86 extensions. The test-only
-    `LMPIPE_ASSUME_NO_NATIVE_BF16=1` makes the answer False (`assume_no_native_bf16`).
-    """
-    if assume_no_native_bf16():
-        return False
-    flags = _linux_cpu_flags()
-    if flags is not None:
-        return bool(flags & NATIVE_BF16_FLAGS)
-    if platform.machine().lower() not in X86_MACHINES:
-        return False
-    return torch_has_native_bf16()
-
-
-def resolve_auto_precision(use_gpu: bool) -> tuple[Literal["bf16", "fp32"], str]:
-    """What `precision: auto` means for a run on GPUs (`use_gpu`) or this CPU, and why."""
-    if use_gpu:
-        return "bf16", "the run uses GPUs (scale.use_gpu)"
-    if cpu_has_native_bf16():
-        return "bf16", "this CPU has native bf16 matrix instructions"
-    return "fp32", "this CPU has no native bf16 matrix instructions"
-
-
-def precision_choice(precision: str, auto_reason: str | None) -> str:
-    """One line for the start of a run: its precision and, when `auto` chose it, why."""
-    if auto_reason is None:
-        return f"precision {precision} (as configured)"
-    return f"precision auto -> {precision} ({auto_reason})"
-
-
-def emulated_bf16_problem(
-    section: str, precision: str, allow: bool, use_gpu: bool, cluster: bool
-) -> str | None:
-    """Why `<section>.precision` bf16 may not train on this machine's CPU; None if it may.
-
-    bf16 trains on this CPU when the section uses no GPU and no Ray cluster address is set
-    (`cluster`); without native bf16 matrix instructions it is emulated there, about 100x
-    slower than fp32. `allow` (`<section>.allow_emulated_bf16`) lets it run anyway.
-    """
-    if precision != "bf16" or allow or use_gpu or cluster or cpu_has_native_bf16():
-        return None
-    return (
-        f"{section}.precision bf16 would train on this machine's CPU ({section}.scale.use_gpu "
-        "is false and ray.address is not set), and this CPU has no native bf16 matrix "
-        "instructions (AVX512-BF16 or AMX), so bf16 is emulated: measured about 100x slower "
-        "than fp32 (a 1024x1024 matmul ran at 0.9 GFLOP/s in bf16 against 106 GFLOP/s in fp32 "
-        f"on an AVX2-only AMD EPYC). Set {section}.precision to auto (fp32 on this CPU, bf16 "
-        f"where it is native) or to fp32; or, to run emulated bf16 on purpose (to compare "
-        f"precisions), set {section}.allow_emulated_bf16=true"
-    )
-
-
-def auto_precision_data(data: Any, default: str = "auto") -> tuple[Any, str | None]:
-    """A section's raw input with `precision: auto` resolved, and why (None: not auto).
-
-    `default` is the section's default precision. Used by the `train` and `finetune` sections
-    before validation, so that the saved config, the run identity and every worker see the same
-    concrete precision.
-    """
-    if not isinstance(data, dict) or data.get("precision", default) != "auto":
-        return data, None
-    scale = data.get("scale")
-    use_gpu = (
-        scale.use_gpu if isinstance(scale, ScaleConfig) else bool((scale or {}).get("use_gpu"))
-    )
-    precision, reason = resolve_auto_precision(use_gpu)
-    return {**data, "precision": precision}, reason
-
-
-class DistillConfig(BaseModel):
-    """The teacher and the loss weights of distillation (`train.distillation`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    teacher: BaseModelRef = Field(
-        description="The BERT teacher: a local HF directory (`path`) or a registry version."
-    )
-    temperature: float = Field(2.0, gt=0, description="Softmax temperature of the soft targets.")
-    alpha_kd: float = Field(5.0, ge=0, description="Weight of the soft-target KL loss.")
-    alpha_mlm: float = Field(2.0, ge=0, description="Weight of the student's masked-LM loss.")
-    alpha_cos: float = Field(1.0, ge=0, description="Weight of the hidden-state cosine loss.")
-    student_layers: int | None = Field(
-        None, ge=1, description="Student depth; None: half the teacher's layers."
-    )
+from training.runtime.config import CheckpointConfig, GuardConfig, ScaleConfig
+from training.runtime.deepspeed import adamw_section, merge
+from training.runtime.precision import AutoPrecision
 
 
 class OptimConfig(BaseModel):
@@ -187,141 +47,12 @@ class OptimConfig(BaseModel):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate / peak.")
 
 
-class GuardConfig(BaseModel):
-    """What a non-finite or spiking loss does."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    on_nonfinite: Literal["stop", "skip"] = Field(
-        "stop",
-        description="A NaN/inf loss stops the run (stop) or leaves the weights as they "
-        "were for that step (skip).",
-    )
-    spike_factor: float | None = Field(
-        None,
-        gt=1,
-        description="A loss above this factor times the running mean is a spike; "
-        "None turns spike detection off.",
-    )
-    spike_window: int = Field(20, ge=2, description="Steps in the running mean of the loss.")
-    on_spike: Literal["stop", "skip"] = Field("skip", description="What a spike does.")
-    max_skips: int = Field(10, ge=0, description="Skipped steps in a row before the run stops.")
-
-
-class ScaleConfig(BaseModel):
-    """How many workers, what each gets, and where they run (Ray Train or this process)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks).")
-    launcher: Literal["auto", "ray", "in_process"] = Field(
-        "auto",
-        description="Where the workers run. ray: Ray Train workers, restarted from the last "
-        "checkpoint on failure (max_failures), on a cluster when ray.address is set. "
-        "in_process: one worker in this process, without starting Ray Train (no restarts). "
-        "auto: in_process for one worker with max_failures 0 and no Ray cluster address, "
-        "else ray.",
-    )
-    use_gpu: bool = Field(False, description="One GPU per worker.")
-    cpus_per_worker: float = Field(1, gt=0, description="Logical CPUs Ray reserves per worker.")
-    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per worker.")
-    max_failures: int = Field(
-        2, ge=-1, description="Worker-group restarts from the latest checkpoint (-1: no limit)."
-    )
-    backend: Literal["gloo", "nccl"] | None = Field(
-        None,
-        description="torch.distributed backend; default nccl on GPU, gloo on CPU. nccl runs "
-        "with gloo beside it for CPU tensors (cpu:gloo,cuda:nccl).",
-    )
-    report_poll_s: float = Field(
-        0.2,
-        gt=0,
-        le=60,
-        description="How often Ray Train's controller polls the workers "
-        "(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S). It takes one report per poll and a worker's next "
-        "report waits for it, so every checkpoint or epoch report can wait this long; Ray's "
-        "own default of 2 s dominated short runs.",
-    )
-
-    @model_validator(mode="after")
-    def _in_process_is_one_worker(self) -> Self:
-        if self.launcher != "in_process":
-            return self
-        if self.num_workers != 1:
-            raise ValueError(
-                f"launcher in_process runs one worker in this process, not num_workers "
-                f"{self.num_workers}: set num_workers to 1, or launcher to ray"
-            )
-        if self.max_failures != 0:
-            raise ValueError(
-                f"launcher in_process cannot restart a failed worker (max_failures "
-                f"{self.max_failures}): set max_failures to 0, or launcher to ray"
-            )
-        return self
-
-
-class CheckpointConfig(BaseModel):
-    """Where and how often checkpoints are written."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    every_steps: int = Field(50, ge=1, description="Save every N optimizer steps (and at the end).")
-    keep_last: int = Field(
-        2, ge=1, description="Complete checkpoints kept; older ones are removed."
-    )
-    storage_path: Path | None = Field(
-        None, description="Directory (local or shared) for runs; default <workspace>/pretrain."
-    )
-
-
 class EvalConfig(BaseModel):
     """Held-out evaluation on the examples' validation split."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     every_steps: int = Field(50, ge=1, description="Evaluate every N steps (and at the end).")
     max_samples: int = Field(512, ge=1, description="Validation examples per evaluation.")
-
-
-class AutoPrecision(BaseModel):
-    """A section whose `precision` may be `auto`: resolved before validation, and why.
-
-    `TrainConfig` and `finetune`'s `FinetuneConfig` derive from it; `PRECISION_DEFAULT` is the
-    section's default precision. The resolved value is what the saved config, the run identity
-    and every worker see.
-    """
-
-    PRECISION_DEFAULT: ClassVar[str] = "auto"
-    if TYPE_CHECKING:  # each section declares its own `precision` field
-        precision: str
-    # Why `auto` chose `precision`, set when this object was validated from `auto`; None when
-    # the precision was given (a saved, already resolved config included).
-    _auto_reason: str | None = PrivateAttr(None)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _resolve_auto_precision(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
-        data, reason = auto_precision_data(data, default=cls.PRECISION_DEFAULT)
-        cfg = handler(data)
-        if reason is not None:  # a new object: `data` was a mapping
-            cfg._auto_reason = reason
-        return cfg
-
-    @property
-    def requested_precision(self) -> str:
-        """The precision asked for: `auto`, or the value of `precision` when it was given."""
-        return "auto" if self._auto_reason else str(self.precision)
-
-    def precision_choice(self) -> str:
-        """The run's precision in one line, e.g. `precision auto -> fp32 (this CPU has ...)`."""
-        return precision_choice(str(self.precision), self._auto_reason)
-
-    def __eq__(self, other: object) -> bool:
-        """Equal fields: how `precision` was chosen (given, or by `auto`) is not compared.
-
-        A config saved with `auto` resolved and loaded again trains exactly the same run.
-        """
-        if not isinstance(other, AutoPrecision):
-            return NotImplemented
-        return type(self) is type(other) and self.__dict__ == other.__dict__
-
-    __hash__ = BaseModel.__hash__
 
 
 class TrainConfig(AutoPrecision):
@@ -475,3 +206,46 @@ class TrainConfig(AutoPrecision):
                 f"train.micro_batch_size ({micro}) x workers ({world_size})"
             )
         return self.global_batch_size // (micro * world_size)
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config for `cfg` on `world_size` data-parallel ranks.
+
+    `cfg.deepspeed_extra` is merged last (nested dicts merge key by key), so a user can set
+    any DeepSpeed key the typed config does not cover.
+    """
+    accum = cfg.accumulation_steps(world_size)
+    opt = cfg.optim
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    if cfg.zero_stage == 3:
+        # Export gathers fp32 weights from the shards (zero_to_fp32); no 16-bit copy on save.
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    ds: dict[str, Any] = {
+        "train_batch_size": cfg.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch(world_size),
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": opt.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "fp16": {"enabled": cfg.precision == "fp16", "initial_scale_power": 16},
+        "optimizer": adamw_section(opt.lr, opt.betas, opt.eps, opt.weight_decay),
+        # No "scheduler": the loop sets every group's rate (training/runtime/schedule.py), so the
+        # first step already trains (DeepSpeed's WarmupDecayLR gave it lr 0).
+        "steps_per_print": 1 << 30,  # lmpipe logs; DeepSpeed's own prints would interleave
+        "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronises the device at the start of
+        # every forward and at every step from the third on; lmpipe measures its own throughput.
+        "timers": {"throughput": {"enabled": False}},
+    }
+    if cfg.zero_stage > 0:
+        ds["zero_allow_untested_optimizer"] = True
+    elif cfg.precision != "fp16":  # fp16 keeps DeepSpeed's loss scaler, which clips unscaled
+        # ZeRO 0 steps torch's fused AdamW directly, and nothing in the step reads a value on
+        # the host: the loop clips (the norm stays a tensor) and bf16 is torch's autocast over
+        # fp32 weights. DeepSpeed's own bf16 mode wraps the optimizer in one that checks every
+        # gradient for overflow on the host (about 70 reads a step, docs/pretraining.md).
+        ds["gradient_clipping"] = 0.0
+        if cfg.precision == "bf16":
+            ds["bf16"] = {"enabled": False}
+            ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    return merge(ds, cfg.deepspeed_extra)

@@ -29,7 +29,8 @@ from training.pretrain.packing import document_ids, document_positions
 
 log = logging.getLogger(__name__)
 _PERMUTATION_SALT = 0x0D_A7A0  # keeps the order's stream apart from other seeded draws
-_EVAL_EPOCH = 1 << 62  # dynamic masking of the validation split: fixed, apart from training
+#: The epoch the validation split is masked with (dynamic masking): fixed, apart from training.
+EVAL_EPOCH = (1 << 62) + 7
 
 
 class DataError(ValueError):

@@ -26,10 +26,11 @@ from tasks.common import schema
 from training.models.distill import DistillationModel
 from training.models.electra import ElectraPretrainer
 from training.models.flops import CompanionModels, flops_per_token
-from training.models.pretraining_model import build_pretraining_model, zero3_leaf_modules
+from training.models.models import SEQ2SEQ_OBJECTIVES
 from training.pretrain.audit import log_sample_ids, write_pid
-from training.pretrain.config import TrainConfig
+from training.pretrain.config import TrainConfig, deepspeed_config
 from training.pretrain.data import (
+    EVAL_EPOCH,
     BatchBuilder,
     Cursor,
     ExampleShards,
@@ -42,23 +43,23 @@ from training.pretrain.data import (
 from training.pretrain.length_schedule import check_length_schedule, length_at
 from training.pretrain.loss_common import StepOutput
 from training.pretrain.losses import (
-    SEQ2SEQ_OBJECTIVES,
     export_loss,
     exported_model,
     pretraining_loss,
     varying_masked_positions,
 )
 from training.pretrain.prefetch import Prefetcher, StepPlan
-from training.registry.tracking import MlflowTracker, NullTracker, Tracker
+from training.pretrain.pretraining_model import build_pretraining_model, zero3_leaf_modules
+from training.pretrain.telemetry import StepMeter, Telemetry
 from training.runtime import checkpoint as ckpt
 from training.runtime import faults
-from training.runtime.context import LoopEntry, RayWorkerContext, WorkerContext
-from training.runtime.deepspeed import deepspeed_config, param_groups
+from training.runtime.deepspeed import param_groups
 from training.runtime.engine import DeviceUpdate, autocast_for, initialize_deepspeed
 from training.runtime.guard import LossGuard
 from training.runtime.progress import connect_progress
 from training.runtime.schedule import GroupLRSchedule
-from training.runtime.telemetry import StepMeter, Telemetry
+from training.runtime.worker_context import LoopEntry, RayWorkerContext, WorkerContext
+from training.tracking.runs import MlflowTracker, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -484,9 +485,6 @@ class Worker:
 
     def _device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self._to_device(self._host(batch))
-
-
-EVAL_EPOCH = (1 << 62) + 7  # dynamic masking of the validation split: fixed, apart from training
 
 
 def reference_indices(size: int, count: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from tasks.common import schema
 from training.models.distill import DistillationModel
 from training.models.electra import ElectraPretrainer
-from training.models.models import is_a
+from training.models.models import SEQ2SEQ_OBJECTIVES, is_a
 from training.pretrain.data import MASKED_POSITIONS
 from training.pretrain.decoder_losses import causal_loss, seq2seq_loss
 from training.pretrain.encoder_losses import (
@@ -34,8 +34,6 @@ from training.pretrain.encoder_losses import (
 )
 from training.pretrain.loss_common import IGNORE_INDEX, StepOutput, require
 
-MLM_OBJECTIVES = ("bert", "sop", "roberta")
-SEQ2SEQ_OBJECTIVES = {"span_corruption": "span", "denoising": "denoise"}
 # Token-level losses: (part name, key of its token count). Pair losses count in "pair_total".
 # The first present one is the perplexity's.
 _TOKEN_LOSSES = (
@@ -60,7 +58,7 @@ def pretraining_loss(
     """Run `model` on `batch` and return the objective's loss and statistics.
 
     Args:
-        model: A model from `training.models.pretraining_model.build_pretraining_model` for this
+        model: A model from `training.pretrain.pretraining_model.build_pretraining_model` for this
             objective: a transformers model, an `ElectraPretrainer` or a `DistillationModel`.
         objective: bert, sop, roberta, causal, span_corruption or denoising.
         batch: int64 tensors by column name; MLM batches must hold `labels` (-100 = not

@@ -21,7 +21,6 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.common.io import code_version, flatten, write_json_atomic
 from tasks.common.workspace import relocate, relocate_record, workspace_of
-from training.evaluate.plots import loss_curve_png, step_history
 from training.models.export import (
     DataRef,
     ModelCard,
@@ -31,31 +30,26 @@ from training.models.export import (
     reload_check,
 )
 from training.models.models import count_parameters
-from training.models.pretraining_model import build_export_model
 from training.models.vocab import unpad_vocab
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import (
+    EVAL_EPOCH,
     BatchBuilder,
     ExampleShards,
     dynamic_masker,
     read_manifest,
     sequence_length,
 )
-from training.pretrain.loop import EVAL_EPOCH
+from training.pretrain.driver import RunControl, TrainingRun, run_id_for, run_training, storage_root
 from training.pretrain.losses import export_loss
-from training.registry.model_ref import resolve_base_model
-from training.registry.registry import Registration, register_export
-from training.registry.tracking import MlflowTracker, NullTracker, output_ref, tracked_run
+from training.pretrain.pretraining_model import build_export_model
 from training.runtime import checkpoint as ckpt
-from training.runtime.launcher import (
-    RunControl,
-    TrainingRun,
-    run_id_for,
-    run_training,
-    storage_root,
-)
 from training.runtime.progress import ProgressSpec, artifact_key
 from training.runtime.run_context import RunContext
+from training.scoring.plots import loss_curve_png, step_history
+from training.tracking.model_ref import resolve_base_model
+from training.tracking.registry import Registration, register_export
+from training.tracking.runs import MlflowTracker, NullTracker, output_ref, tracked_run
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ def initialize_deepspeed(
     """A DeepSpeed engine over `model` with the optimizer `config` describes on `groups`.
 
     `zero3_leaves`: module classes ZeRO-3 gathers whole instead of hooking their children
-    (a mixture of experts' sparse blocks, `training.models.pretraining_model.zero3_leaf_modules`).
+    (a mixture of experts' sparse blocks, `training.pretrain.pretraining_model.zero3_leaf_modules`).
     """
     deepspeed = import_deepspeed()
     skip_cpu_shm_op()

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from training.pretrain.config import GuardConfig
+from training.runtime.config import GuardConfig
 
 Verdict = Literal["ok", "skip"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.common.ray_runtime import RayConfig
-from training.registry.tracking import TrackingConfig
+from training.tracking.runs import TrackingConfig
 
 
 @dataclass(frozen=True)

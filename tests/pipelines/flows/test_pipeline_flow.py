@@ -94,7 +94,7 @@ def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed
     from pipelines.config import load_config
     from pipelines.flows.pipeline_flow import pipeline_flow
     from tasks.demo.synthetic import SyntheticConfig, write_corpus
-    from training.registry.local_store import local_store_uri
+    from training.tracking.local_store import local_store_uri
 
     write_corpus(tmp_path / "demo", SyntheticConfig(documents=300, task_examples=20))
     workspace = tmp_path / "ws"

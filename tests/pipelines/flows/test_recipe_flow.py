@@ -12,8 +12,8 @@ import pytest
 from prefect import Flow
 
 from pipelines.config import RunConfig, load_config
+from pipelines.config.deployments import FLOWS
 from pipelines.flows.recipe_flow import RecipeFlow
-from pipelines.ops.deployments_config import FLOWS
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -17,7 +17,7 @@ from pipelines.flows.stage_tracking import (
     stage_inputs,
     track_stage_task,
 )
-from training.registry.tracking import DatasetRef
+from training.tracking.runs import DatasetRef
 
 
 def test_a_stage_lists_each_upstream_output_its_manifest_names(tmp_path: Path) -> None:

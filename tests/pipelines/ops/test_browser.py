@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from serving import stop_group, wait_for_deployment
 
+from pipelines.config.servers import ServersConfig
 from pipelines.ops.server_processes import ServerState
 from pipelines.ops.servers import start_servers, stop_servers
-from pipelines.ops.servers_config import ServersConfig
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -189,7 +189,7 @@ def _register_model(base_dir: Path, tmp_path: Path, tracking_uri: str) -> str:
     from mlflow import MlflowClient
 
     from training.models.export import AUTO_CLASSES, DataRef, ModelCard, TokenizerRef, export_model
-    from training.registry.registry import Registration, register_export
+    from training.tracking.registry import Registration, register_export
 
     model = AUTO_CLASSES["bert"].from_pretrained(base_dir, local_files_only=True)
     card = ModelCard(

@@ -17,12 +17,12 @@ from pydantic import ValidationError
 from serving import stop_group, wait_for_deployment
 
 from pipelines.config import RunConfig, load_config
+from pipelines.config.deployments import FAILED_EVENTS, FLOWS, DeploymentsConfig, ScheduleConfig
 from pipelines.ops.deployments import (
     build_deployments,
     ensure_failure_automation,
     recipe_parameters,
 )
-from pipelines.ops.deployments_config import FAILED_EVENTS, FLOWS, DeploymentsConfig, ScheduleConfig
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO = REPO / "configs" / "demo.yaml"

@@ -18,9 +18,9 @@ import yaml
 
 from pipelines.cli.servers import register, servers_from_recipe
 from pipelines.config import ConfigError
+from pipelines.config.servers import ServersConfig
 from pipelines.ops.server_processes import ServersError, ServerState, group_processes
 from pipelines.ops.servers import read_states, resolve_state_dir, start_servers, stop_servers
-from pipelines.ops.servers_config import ServersConfig
 
 
 def _free_port() -> int:

@@ -19,7 +19,7 @@ from tasks.examples.stage import run_examples
 from tasks.tokenizer.stage import run_tokenizer
 from tasks.tokenizer.tokenizer import TokenizerConfig
 from training.pretrain.config import TrainConfig
-from training.runtime.launcher import run_id_for
+from training.pretrain.driver import run_id_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -12,7 +12,6 @@ import transformers as tf
 
 from tasks.common.schema import downstream_schema
 from tasks.tokenizer.tokenizer import TokenizerConfig, to_transformers, train_tokenizer
-from training.evaluate.generation import GenerationSettings, generate_texts
 from training.evaluate.prompting import (
     PromptConfig,
     build_prompts,
@@ -21,6 +20,7 @@ from training.evaluate.prompting import (
     to_text_to_text,
 )
 from training.finetune.features.features import FeatureConfig, featurize_causal_lm, make_collator
+from training.scoring.generation import GenerationSettings, generate_texts
 
 WORDS = [a + b for a in ("ka", "lo", "mi", "ran", "te", "sul") for b in ("vo", "ni", "pe")]
 LABELS = ["neg", "pos"]

@@ -21,9 +21,9 @@ from tasks.downstream.stage import prepare_downstream
 from training.finetune.config import FinetuneConfig
 from training.finetune.loop import FinetuneJob, run_finetune_worker
 from training.finetune.stage import finetune_stage, model_fingerprint, run_finetune
-from training.registry.tracking import TrackingConfig
-from training.runtime.context import LocalContext
 from training.runtime.run_context import RunContext
+from training.runtime.worker_context import LocalContext
+from training.tracking.runs import TrackingConfig
 
 REPO = Path(__file__).resolve().parents[3]
 # (task config, family, metric that must be reported): every task type on real data.
@@ -173,7 +173,7 @@ def test_finetune_stage_logs_to_mlflow_and_registers_with_lineage(
 ) -> None:
     from mlflow.tracking import MlflowClient
 
-    from training.registry.registry import resolve_version
+    from training.tracking.registry import resolve_version
 
     data = prepared("cola", shared_data, tmp_path / "data")
     tracking = TrackingConfig(tracking_uri=mlflow_uri, experiment="finetune-acceptance")

@@ -1,7 +1,7 @@
 import pytest
 
 from training.finetune.config import FinetuneConfig
-from training.pretrain.config import NO_NATIVE_BF16_ENV
+from training.runtime.precision import NO_NATIVE_BF16_ENV
 
 
 def test_finetune_auto_precision_resolves_as_pretraining_does(

@@ -241,7 +241,7 @@ def test_registered_adapter_export_loads_the_adapted_model_from_anywhere(
     import mlflow
     import peft
 
-    from training.registry.registry import (
+    from training.tracking.registry import (
         Registration,
         _tracking_uri,
         download_model,
@@ -278,7 +278,7 @@ def test_registered_bottleneck_export_is_refused_by_mlflow_loaders_and_loads_wit
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from training.registry.registry import (
+    from training.tracking.registry import (
         Registration,
         _tracking_uri,
         download_model,

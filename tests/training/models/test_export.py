@@ -411,7 +411,7 @@ def test_registered_bert_resolves_by_alias_and_reloads_offline(
 ) -> None:
     from mlflow import MlflowClient
 
-    from training.registry.registry import (
+    from training.tracking.registry import (
         Registration,
         download_model,
         register_export,
@@ -458,7 +458,7 @@ def test_registered_gpt2_keeps_a_finished_run_finished_and_moves_the_alias(
 ) -> None:
     from mlflow import MlflowClient
 
-    from training.registry.registry import (
+    from training.tracking.registry import (
         Registration,
         download_model,
         register_export,

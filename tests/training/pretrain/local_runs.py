@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from training.evaluate.plots import step_history
 from training.models.export import gather_state_dict
 from training.pretrain.config import TrainConfig
 from training.pretrain.loop import Worker, WorkerJob
 from training.runtime import checkpoint as ckpt
-from training.runtime.context import LocalContext
+from training.runtime.worker_context import LocalContext
+from training.scoring.plots import step_history
 
 STOP_AT, MAX_STEPS = 2, 4
 

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from training.evaluate.plots import step_history
 from training.models.export import load_export, read_card
 from training.models.models import FAMILIES
 from training.pretrain.config import TrainConfig
+from training.scoring.plots import step_history
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -25,13 +25,13 @@ from local_runs import MAX_STEPS, STOP_AT, bf16_resume_config, train_locally, wh
 from tasks.common import schema
 from training.models.export import DataRef, ModelCard, TokenizerRef, export_model, load_export
 from training.models.models import OBJECTIVES, Family
-from training.models.pretraining_model import build_pretraining_model
 from training.models.vocab import unpad_vocab
-from training.pretrain.config import TrainConfig
-from training.pretrain.loop import EVAL_EPOCH
+from training.pretrain.config import TrainConfig, deepspeed_config
+from training.pretrain.data import EVAL_EPOCH
 from training.pretrain.loss_common import ATTENTION_MASK
 from training.pretrain.losses import exported_model, pretraining_loss
-from training.runtime.deepspeed import deepspeed_config, param_groups
+from training.pretrain.pretraining_model import build_pretraining_model
+from training.runtime.deepspeed import param_groups
 from training.runtime.engine import autocast_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -85,7 +85,7 @@ def gpu_process_group(cuda: torch.device) -> Iterator[None]:
     import torch.distributed as dist
     from deepspeed.utils import groups
 
-    from training.runtime.context import init_single_process
+    from training.runtime.worker_context import init_single_process
 
     with pytest.MonkeyPatch.context() as mp, socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -298,7 +298,7 @@ def test_the_loop_trains_each_step_at_its_scheduled_length(
     schedule: dict[str, Any], expected_lengths: list[int], single_process_dist: None, tmp_path: Path
 ) -> None:
     from training.pretrain.loop import WorkerJob, run_worker
-    from training.runtime.context import LocalContext
+    from training.runtime.worker_context import LocalContext
 
     examples, lengths = write_examples(tmp_path / "examples", width=32, rows=16)
     cfg = TrainConfig.model_validate(

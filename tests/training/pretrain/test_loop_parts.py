@@ -11,12 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.pretrain.config import (
-    GuardConfig,
-    TrainConfig,
-    assume_no_native_bf16,
-    cpu_has_native_bf16,
-)
+from training.pretrain.config import TrainConfig, deepspeed_config
 from training.pretrain.data import (
     Cursor,
     DataError,
@@ -26,8 +21,10 @@ from training.pretrain.data import (
     sequence_length,
 )
 from training.runtime import checkpoint as ckpt
-from training.runtime.deepspeed import deepspeed_config, param_groups
+from training.runtime.config import GuardConfig
+from training.runtime.deepspeed import param_groups
 from training.runtime.guard import LossGuard, TrainingDivergedError
+from training.runtime.precision import assume_no_native_bf16, cpu_has_native_bf16
 
 
 def make_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
@@ -225,7 +222,7 @@ def test_report_poll_is_what_ray_train_passes_to_its_controller(
 ) -> None:
     from ray.train.v2._internal.constants import get_env_vars_to_propagate
 
-    from training.pretrain.config import ScaleConfig
+    from training.runtime.config import ScaleConfig
     from training.runtime.launcher import POLL_ENV, set_report_poll
 
     monkeypatch.setenv(POLL_ENV, "2")  # records the variable's state, restored after the test
@@ -240,7 +237,7 @@ def test_report_poll_is_what_ray_train_passes_to_its_controller(
 
 
 def test_a_gpu_group_carries_gloo_for_the_loops_cpu_reductions() -> None:
-    from training.runtime.context import GPU_BACKEND, torch_backend
+    from training.runtime.worker_context import GPU_BACKEND, torch_backend
 
     assert GPU_BACKEND == "cpu:gloo,cuda:nccl"
     assert torch_backend(None, use_gpu=False) == "gloo"

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from training.pretrain.config import TrainConfig, cpu_has_native_bf16
-from training.runtime.telemetry import _PEAK_CACHE, measure_peak_flops
+from training.pretrain.config import TrainConfig
+from training.pretrain.telemetry import _PEAK_CACHE, measure_peak_flops
+from training.runtime.precision import cpu_has_native_bf16
 
 pytestmark = [pytest.mark.slow]
 
@@ -26,7 +27,7 @@ STEPS = 8
 def train_locally(data: dict[str, Path], run_dir: Path, precision: str, compile_: bool) -> Any:
     """`STEPS` steps of tiny BERT through the real loop (DeepSpeed, one gloo rank, no Ray)."""
     from training.pretrain.loop import WorkerJob, run_worker
-    from training.runtime.context import LocalContext
+    from training.runtime.worker_context import LocalContext
 
     cfg = TrainConfig.model_validate(
         {

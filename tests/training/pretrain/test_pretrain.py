@@ -26,15 +26,15 @@ from local_runs import MAX_STEPS, STOP_AT, bf16_resume_config, whole_and_resumed
 
 from tasks.common.io import read_ipc_stream
 from tasks.common.ray_runtime import RayConfig
-from training.evaluate.plots import step_history
 from training.models.export import gather_state_dict, read_card
 from training.pretrain.config import TrainConfig
+from training.pretrain.driver import RunControl
 from training.pretrain.stage import pretrain_stage
-from training.registry.registry import download_model, resolve_version
-from training.registry.tracking import TrackingConfig
-from training.runtime.launcher import RunControl
+from training.pretrain.telemetry import _PEAK_CACHE, measure_peak_flops
 from training.runtime.run_context import RunContext
-from training.runtime.telemetry import _PEAK_CACHE, measure_peak_flops
+from training.scoring.plots import step_history
+from training.tracking.registry import download_model, resolve_version
+from training.tracking.runs import TrackingConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -251,8 +251,8 @@ def test_run_stopped_at_step_k_resumes_in_a_new_process_with_identical_losses(
         "import sys; from pathlib import Path; from training.pretrain.config import TrainConfig; "
         "from training.pretrain.stage import pretrain_stage; from tasks.common.ray_runtime import "
         "RayConfig; "
-        "from training.registry.tracking import TrackingConfig; "
-        "from training.runtime.launcher import RunControl; "
+        "from training.tracking.runs import TrackingConfig; "
+        "from training.pretrain.driver import RunControl; "
         "from training.runtime.run_context import RunContext; "
         "cfg = TrainConfig.model_validate_json(sys.argv[1]); "
         "ctx = RunContext(Path(sys.argv[4]), 0, RayConfig(address=sys.argv[5]), "

@@ -17,10 +17,11 @@ import torch
 from host_reads import count_host_reads
 
 from training.pretrain import loop
-from training.pretrain.config import TrainConfig, cpu_has_native_bf16
+from training.pretrain.config import TrainConfig
 from training.pretrain.loss_common import StepOutput
-from training.runtime.context import LocalContext
 from training.runtime.guard import TrainingDivergedError
+from training.runtime.precision import cpu_has_native_bf16
+from training.runtime.worker_context import LocalContext
 
 pytestmark = [pytest.mark.slow]
 

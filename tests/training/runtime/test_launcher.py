@@ -22,11 +22,13 @@ from tasks.downstream.stage import prepare_downstream
 from training.finetune.config import FinetuneConfig
 from training.finetune.stage import finetune_run_id, run_finetune
 from training.models.export import gather_state_dict
-from training.pretrain.config import ScaleConfig, TrainConfig
-from training.registry.tracking import TrackingConfig
+from training.pretrain.config import TrainConfig
+from training.pretrain.driver import RunControl, run_training
 from training.runtime import launcher
-from training.runtime.launcher import RunControl, resolve_launcher, run_training
+from training.runtime.config import ScaleConfig
+from training.runtime.launcher import resolve_launcher
 from training.runtime.run_context import RunContext
+from training.tracking.runs import TrackingConfig
 
 REPO = Path(__file__).resolve().parents[3]
 NO_CLUSTER = RayConfig(num_workers=2, num_cpus=4)

@@ -1,7 +1,8 @@
 """What every featurizer shares: the config, the `Features` container, windowing, aggregation.
 
 Here: `FeatureConfig` (the `finetune.features` section), `Features` (one row per window, ready
-for a collator), `FeatureError`, the pad and bos conventions (`pad_id`, `causal_bos`),
+for a collator), `FeatureError`, the pad and bos conventions (`pad_id`, `causal_bos`, from
+`training/models/tokens.py`),
 `encode_windows` (a batch of texts or text pairs cut into overlapping windows by the fast
 tokenizer), the long-input policy and `aggregate_windows` (per-window predictions back to one
 per example). Not here: the task featurizers (`training/finetune/features/features.py`, `tokens.py`,
@@ -106,28 +107,6 @@ class Features:
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return {key: np.asarray(column[i]) for key, column in self.inputs.items()}
-
-
-def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The id that pads inputs: the pad token, else eos (GPT-2 style vocabularies have no pad).
-
-    Raises:
-        FeatureError: the tokenizer has neither.
-    """
-    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if token_id is not None:
-            return int(token_id)
-    raise FeatureError(f"{type(tokenizer).__name__} has neither a pad nor an eos token")
-
-
-def causal_bos(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The ids that start a causal-LM input: bos where it differs from eos, else nothing.
-
-    Llama-style vocabularies start every text with `<s>`; GPT-2 style ones (bos = eos =
-    `<|endoftext|>`) only separate documents with it, so a prompt starts bare.
-    """
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    return [int(bos)] if bos is not None and bos != eos else []
 
 
 def strings(table: pa.Table, name: str) -> list[str]:

@@ -38,14 +38,12 @@ from training.finetune.features.base import (
     Windows,
     aggregate_windows,
     apply_policy,
-    causal_bos,
     check_window_room,
     encode_windows,
     example_ids,
     int_rows,
     kept_features,
     log_windows,
-    pad_id,
     strings,
 )
 from training.finetune.features.qa import (
@@ -55,6 +53,7 @@ from training.finetune.features.qa import (
     postprocess_qa,
 )
 from training.finetune.features.tokens import featurize_token_classification, word_predictions
+from training.models.tokens import causal_bos, pad_id
 
 __all__ = [
     "IGNORE_INDEX",
@@ -352,7 +351,7 @@ def make_collator(
 
     Right padding suits training and scoring for every family (decoder-only models number
     positions from 0 and padded labels are -100); generation pads on the left
-    (`training/evaluate/generation.py`).
+    (`training/scoring/generation.py`).
     """
     if task_type not in DOWNSTREAM_TASK_TYPES:
         raise ValueError(f"unknown task type {task_type!r}; one of {DOWNSTREAM_TASK_TYPES}")

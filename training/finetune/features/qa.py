@@ -6,7 +6,7 @@ or the null position when the window does not hold the whole answer or there is 
 `postprocess_qa` (the n-best start/end logits of every window of an example, spans of at most
 `max_answer_tokens`, mapped back to the context through character offsets; "" when the null
 score wins by more than `null_threshold`). Not here: the SQuAD metric
-(`training/evaluate/metrics/metrics.py`).
+(`training/scoring/metrics/metrics.py`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ its word through the character offsets; the first piece of a word carries the wo
 the other pieces -100, or with `label_all_tokens` the word's tag with B- turned into I-; long
 sentences become overlapping windows) and `word_predictions` (piece logits of all windows back
 to one tag string per word, for seqeval). Not here: the metrics
-(`training/evaluate/metrics/metrics.py`).
+(`training/scoring/metrics/metrics.py`).
 """
 
 from __future__ import annotations

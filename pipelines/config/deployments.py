@@ -1,7 +1,8 @@
 """The `deployments` section of a recipe: which flows are deployed, their schedules, serving.
 
 Kept apart from `pipelines/ops/deployments.py` (which builds the Prefect deployments and imports
-the root config) so that `pipelines/config.py` can compose it without an import cycle.
+the root config) so that the root config (`pipelines/config/__init__.py`) can compose it: the
+config sub-package imports nothing of `ops/`.
 """
 
 from __future__ import annotations

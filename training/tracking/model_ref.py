@@ -1,5 +1,6 @@
-"""Where an existing model comes from: a local Hugging Face directory or a registry version.
+"""Resolve where an existing model comes from: a local directory or a registry version.
 
+`BaseModelRef` itself is in `training/models/config.py`; a registry version is downloaded once.
 Used by fine-tuning (the base model) and distillation (the teacher).
 """
 
@@ -7,28 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-
-class BaseModelRef(BaseModel):
-    """Where the model to fine-tune comes from: a local HF directory or a registry version."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    path: Path | None = Field(
-        None, description="A local Hugging Face model directory (safetensors weights only)."
-    )
-    registry_name: str | None = Field(
-        None, description="A registered MLflow model name, e.g. demo-bert."
-    )
-    version: str = Field(
-        "candidate", description="Registry alias or version number of `registry_name`."
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> BaseModelRef:
-        if (self.path is None) == (self.registry_name is None):
-            raise ValueError("set exactly one of `path` and `registry_name`")
-        return self
+from training.models.config import BaseModelRef
 
 
 def resolve_base_model(
@@ -45,7 +25,7 @@ def resolve_base_model(
         return ref.path, {"base_model_path": str(ref.path.resolve())}
     if tracking_uri is None or ref.registry_name is None:
         raise ValueError("finetune.base.registry_name needs MLflow tracking (tracking.enabled)")
-    from training.registry.registry import download_model, resolve_version
+    from training.tracking.registry import download_model, resolve_version
 
     version = resolve_version(tracking_uri, ref.registry_name, ref.version)
     dst = (workspace / "models" / f"{version.name}-v{version.version}").resolve()

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from training.evaluate.config import GenerationSettings as GenerationSettings
-from training.finetune.features.base import causal_bos, pad_id
+from training.models.tokens import causal_bos, pad_id
+from training.scoring.config import GenerationSettings as GenerationSettings
 
 
 def generation_config(

@@ -1,8 +1,9 @@
 """The root `RunConfig` and `load_config`: one YAML recipe plus dotted command-line overrides.
 
-Each section's model lives next to the code that owns it; this module only composes them, loads
-YAML, applies overrides and turns validation errors into messages that name the key, the value
-and what is allowed.
+Each section's model lives next to the code that owns it (the `deployments` and `servers`
+sections in this sub-package, beside it, because `ops/` imports the root); this module only
+composes them, loads YAML, applies overrides and turns validation errors into messages that
+name the key, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from pipelines.ops.deployments_config import DeploymentsConfig
-from pipelines.ops.servers_config import ServersConfig
+from pipelines.config.deployments import DeploymentsConfig
+from pipelines.config.servers import ServersConfig
 from tasks.common.io import redact_url
 from tasks.common.ray_runtime import RayConfig
 from tasks.decontaminate.decontaminate import DecontaminateConfig
@@ -36,9 +37,10 @@ from tasks.ingest.ingest import IngestConfig
 from tasks.tokenizer.tokenizer import TokenizerConfig
 from training.evaluate.config import EvaluateConfig
 from training.finetune.config import CompareConfig, FinetuneConfig
-from training.pretrain.config import TrainConfig, emulated_bf16_problem
+from training.pretrain.config import TrainConfig
 from training.pretrain.length_schedule import LengthScheduleError, check_length_schedule
-from training.registry.tracking import TrackingConfig
+from training.runtime.precision import emulated_bf16_problem
+from training.tracking.runs import TrackingConfig
 
 
 class PrefectConfig(BaseModel):

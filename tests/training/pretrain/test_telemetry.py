@@ -1,4 +1,4 @@
-"""MFU's denominator (`training.runtime.telemetry.peak_flops`): datasheet peaks of known GPUs, a
+"""MFU's denominator (`training.pretrain.telemetry.peak_flops`): datasheet peaks of known GPUs, a
 measured peak elsewhere."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.pretrain.config import NO_NATIVE_BF16_ENV
-from training.runtime import telemetry
-from training.runtime.telemetry import _PEAK_CACHE, datasheet_peak, measure_peak_flops, peak_flops
+from training.pretrain import telemetry
+from training.pretrain.telemetry import _PEAK_CACHE, datasheet_peak, measure_peak_flops, peak_flops
+from training.runtime.precision import NO_NATIVE_BF16_ENV
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@
 Here: `register_export` (log an export as an MLflow model attached to a run, register it, alias
 it, tag its lineage), `resolve_version` and `download_model`. Not here: writing the export
 (`training/models/export.py`, `training/finetune/strategies.py`) and run tracking
-(`training/registry/tracking.py`).
+(`training/tracking/runs.py`).
 
 Each export layout (`training.models.export.export_layout`) is logged so that loading the
 registered version never gives the model without its adapters: a plain export and a peft adapter

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tasks.common.schema import DOWNSTREAM_TASK_TYPES
-from training.evaluate.metrics.metrics import (
+from training.scoring.metrics.metrics import (
     auc_roc,
     classification_metrics,
     compute_metrics,
@@ -21,7 +21,7 @@ from training.evaluate.metrics.metrics import (
     regression_metrics,
     token_classification_metrics,
 )
-from training.evaluate.metrics.squad import (
+from training.scoring.metrics.squad import (
     answer_exact_match,
     answer_f1,
     normalize_answer,

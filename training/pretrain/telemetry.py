@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 from tasks.common import schema
-from training.pretrain.config import X86_MACHINES, assume_no_native_bf16, cpu_has_native_bf16
 from training.pretrain.loss_common import StepOutput
 from training.pretrain.losses import eval_metrics
-from training.registry.tracking import NullTracker, Tracker
+from training.runtime.precision import X86_MACHINES, assume_no_native_bf16, cpu_has_native_bf16
+from training.tracking.runs import NullTracker, Tracker
 
 if TYPE_CHECKING:
     from training.pretrain.config import TrainConfig
-    from training.runtime.context import WorkerContext
+    from training.runtime.worker_context import WorkerContext
 
 log = logging.getLogger(__name__)
 _PEAK_CACHE: dict[torch.dtype, float] = {}

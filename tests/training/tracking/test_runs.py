@@ -16,8 +16,8 @@ import pytest
 from prefect.logging import disable_run_logger
 
 from tasks.common.ray_runtime import RayConfig
-from training.registry.tracking import DatasetRef, TrackingConfig, output_ref, tracked_run
 from training.runtime.run_context import RunContext
+from training.tracking.runs import DatasetRef, TrackingConfig, output_ref, tracked_run
 
 pytestmark = pytest.mark.slow  # MLflow
 

@@ -3,7 +3,7 @@
 MLflow stores every artifact location as an absolute URI: it resolves a relative one against
 the working directory when it creates an experiment, so a location relative to the store is not
 an option. The workspace's experiments put their artifacts in `<workspace>/mlartifacts`
-(`training.registry.tracking.experiment_id`); a copy of the workspace would carry a store whose
+(`training.tracking.runs.experiment_id`); a copy of the workspace would carry a store whose
 experiments, runs and model versions still name the original tree, so the copy's new runs would
 write there and its registered models would load from there. `open_local_store` re-roots the
 store instead: in one transaction it rewrites every artifact location under the root the store

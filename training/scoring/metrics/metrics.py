@@ -1,7 +1,7 @@
 """Evaluation metrics as pure functions (NumPy or lists in, floats out), and their registry.
 
 The metrics come from scikit-learn, SciPy, seqeval, sacrebleu and rouge-score; only SQuAD scoring
-(no offline library) is ours, in `training/evaluate/metrics/squad.py`. `compute_metrics` dispatches
+(no offline library) is ours, in `training/scoring/metrics/squad.py`. `compute_metrics` dispatches
 on a `tasks.common.schema.DOWNSTREAM_TASK_TYPES` task type and returns stable keys (fractions in [0,
 1], except `bleu`/`chrf` on sacrebleu's 0-100); `primary_metric` picks the model-selection one. See
 docs/metrics.md. No torch here: logits to predictions or probabilities is the caller's job.
@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tasks.common.schema import DOWNSTREAM_TASK_TYPES
-from training.evaluate.metrics.squad import squad_metrics
+from training.scoring.metrics.squad import squad_metrics
 
 Label = int | str
 FloatArray = npt.NDArray[np.float64]

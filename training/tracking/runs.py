@@ -218,7 +218,7 @@ def tracked_run(
     `pynvml` loads) into the run every `cfg.system_metrics_interval_s` while the body runs.
     With a local SQLite store, the experiment's artifacts go to `<workspace>/mlartifacts`
     (the workspace's own store is re-rooted when the workspace moves,
-    `training.registry.local_store`).
+    `training.tracking.local_store`).
     """
     uri = cfg.tracking_uri
     if not cfg.enabled or not uri:

@@ -2,11 +2,11 @@ from pathlib import Path
 
 import pytest
 
-from training.pretrain import config
-from training.pretrain.config import (
+from training.pretrain.config import TrainConfig
+from training.runtime import precision
+from training.runtime.precision import (
     NATIVE_BF16_FLAGS,
     NO_NATIVE_BF16_ENV,
-    TrainConfig,
     cpu_has_native_bf16,
     emulated_bf16_problem,
     parse_cpu_flags,
@@ -47,7 +47,7 @@ def test_flag_detection_agrees_with_torchs_own_probes(no_switch: None) -> None:
 def test_the_env_switch_makes_detection_say_no_native_bf16(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(config, "_linux_cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(precision, "_linux_cpu_flags", lambda: frozenset({"avx512_bf16"}))
     monkeypatch.delenv(NO_NATIVE_BF16_ENV, raising=False)
     assert cpu_has_native_bf16()
     monkeypatch.setenv(NO_NATIVE_BF16_ENV, "0")
@@ -84,5 +84,5 @@ def test_emulated_bf16_problem_names_the_fixes_and_the_opt_in(
         args = {"allow": False, "use_gpu": False, "cluster": False} | allowed
         assert emulated_bf16_problem("train", "bf16", **args) is None
     assert emulated_bf16_problem("train", "fp32", False, False, False) is None
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     assert emulated_bf16_problem("train", "bf16", False, False, False) is None

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from training.registry.local_store import (
+from training.tracking.local_store import (
     ROOT_TABLE,
     STORE_FILE,
     local_store_uri,
     open_local_store,
     reroot_store,
 )
-from training.registry.tracking import TrackingConfig, experiment_id, tracked_run
+from training.tracking.runs import TrackingConfig, experiment_id, tracked_run
 
 pytestmark = pytest.mark.slow  # MLflow
 
@@ -89,7 +89,7 @@ def test_a_copied_store_writes_new_runs_and_loads_its_models_under_the_copy(
     import mlflow
     from mlflow.tracking._tracking_service import utils
 
-    from training.registry.registry import Registration, register_export
+    from training.tracking.registry import Registration, register_export
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()

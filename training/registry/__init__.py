@@ -1,1 +1,0 @@
-"""The MLflow model registry, experiment tracking, and model references."""

@@ -1,0 +1,1 @@
+"""Experiment tracking in MLflow: runs and their lineage, the registry, base-model references."""
