@@ -101,7 +101,9 @@ def _files(root: Path) -> dict[str, Path]:
 
 
 def workspace_differences(
-    first: Path, second: Path, inputs: tuple[Path, Path] | None = None
+    first: Path,
+    second: Path,
+    inputs: tuple[Path | str, ...] | tuple[tuple[Path | str, ...], tuple[Path | str, ...]] = (),
 ) -> list[str]:
     """Every file of two workspaces of one recipe that breaks the same-bits rules, with why.
 
@@ -109,10 +111,12 @@ def workspace_differences(
         first: One workspace.
         second: The other; the same stage output directories (fingerprints) must be in both.
         inputs: The two runs' input directories, when they lie outside the workspaces, so that
-            paths into them compare equal.
+            paths into them compare equal; or two tuples, each run's own strings that stand
+            for the same thing (directories, keys), longest first where one holds another.
     """
-    roots_a = tuple(str(p) for p in (first, *(inputs[:1] if inputs else ())))
-    roots_b = tuple(str(p) for p in (second, *(inputs[1:] if inputs else ())))
+    own_a, own_b = inputs if inputs and isinstance(inputs[0], tuple) else (inputs[:1], inputs[1:])
+    roots_a = tuple(str(p) for p in (first, *own_a))
+    roots_b = tuple(str(p) for p in (second, *own_b))
     files_a, files_b = _files(first), _files(second)
     problems = [f"only in {first}: {name}" for name in sorted(set(files_a) - set(files_b))]
     problems += [f"only in {second}: {name}" for name in sorted(set(files_b) - set(files_a))]
