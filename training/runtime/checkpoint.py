@@ -315,7 +315,7 @@ def check_resharded(ckpt: Path, meta: dict[str, Any], loss: float, world_size: i
 
 
 def seed_rngs(seed: int) -> None:
-    """Seed this process's torch, NumPy and Python RNGs: what `rng_state` saves.
+    """Seed this process's torch, NumPy and Python RNGs (`rng_state` saves the first two).
 
     The loops draw from torch alone (and from counter-based seeds), but seeding all three makes
     any library's draw from the global RNGs repeat run to run, and the checkpoints' RNG files the
@@ -328,6 +328,10 @@ def seed_rngs(seed: int) -> None:
 
 def rng_state() -> dict[str, Any]:
     """The RNG states that dropout and any host-side draw depend on, for this process.
+
+    torch's (and CUDA's) and NumPy's; not Python's `random`: the loops draw nothing from it, and
+    a worker in the driver's process shares it with Prefect's and MLflow's clients, whose rare
+    draws (a retry's jitter) made two runs of one recipe write different RNG files.
 
     Only tensors and plain Python values, so that `load_rng_state` can read it back with
     `torch.load(weights_only=True)`: nothing in a checkpoint is unpickled as code.
@@ -342,7 +346,6 @@ def rng_state() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         },
-        "python": random.getstate(),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -361,6 +364,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     npy = state["numpy"]
     keys = npy["keys"].numpy().astype(np.uint32)
     np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
-    random.setstate(state["python"])
+    if "python" in state:  # written before the Python state was left out (see rng_state)
+        random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
