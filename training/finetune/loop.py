@@ -1,7 +1,7 @@
 """The per-worker fine-tuning loop: strategy, engine, epochs, validation, early stopping, export.
 
-`finetune_loop_per_worker(config)` is what Ray Train runs on every worker; `run_finetune_worker`
-is the same loop for any `WorkerContext`. It reuses the pretraining loop's pieces: the context
+`run_finetune_worker(job, ctx)` is the loop for any `WorkerContext` (a Ray Train worker or the
+driver's own process); `FINETUNE_LOOP` is how the launcher calls it. It reuses the pretraining loop's pieces: the context
 (Ray reporting), the engine (DeepSpeed or DDP, `training/runtime/engine.py`), the DeepSpeed config
 builder and the tracker. Every rank evaluates its share of the validation split; predictions
 are gathered so every rank takes the same early-stopping decision.
@@ -32,7 +32,7 @@ from training.runtime.deepspeed import adamw_section, merge
 from training.runtime.engine import Engine, TorchEngine, initialize_deepspeed
 from training.runtime.progress import connect_progress
 from training.runtime.schedule import GroupLRSchedule
-from training.runtime.worker_context import LoopEntry, RayWorkerContext, WorkerContext
+from training.runtime.worker_context import LoopEntry, WorkerContext
 from training.tracking.runs import MlflowTracker, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
@@ -52,21 +52,6 @@ class FinetuneJob(BaseModel):
     progress: str | None = None  # the driver's progress sink (training/runtime/progress.py)
 
 
-def finetune_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train's entry point on every worker."""
-    job = FinetuneJob.model_validate(config)
-    run_finetune_worker(job, RayWorkerContext())
-
-
-def finetune_in_process(config: dict[str, Any], ctx: WorkerContext) -> dict[str, Any]:
-    """The in-process launcher's entry point: the same loop on the driver's one rank."""
-    return run_finetune_worker(FinetuneJob.model_validate(config), ctx)
-
-
-#: The fine-tuning loop as both launchers call it (training/runtime/launcher.py).
-FINETUNE_LOOP = LoopEntry(finetune_loop_per_worker, finetune_in_process)
-
-
 def run_finetune_worker(job: FinetuneJob, ctx: WorkerContext) -> dict[str, Any]:
     """Fine-tune, stop early on the validation metric, restore the best weights, export.
 
@@ -74,6 +59,10 @@ def run_finetune_worker(job: FinetuneJob, ctx: WorkerContext) -> dict[str, Any]:
     """
     torch.set_num_threads(job.finetune.scale.threads_per_worker)
     return FinetuneWorker(job, ctx).run()
+
+
+#: The fine-tuning loop as both launchers call it (training/runtime/launcher.py).
+FINETUNE_LOOP = LoopEntry(FinetuneJob, run_finetune_worker)
 
 
 def _engine(job: FinetuneJob, model: torch.nn.Module, groups: list[dict[str, Any]]) -> Engine:

@@ -119,8 +119,7 @@ def run_finetune(
         tracking_uri=run.tracking_uri,
         mlflow_run_id=mlflow_run_id,
     )
-    loop_config = job.model_dump(mode="json")
-    fit(FINETUNE_LOOP, loop_config, cfg.scale, run_dir, run.ray, progress)
+    fit(FINETUNE_LOOP, job, cfg.scale, run_dir, run.ray, progress)
     if not (run_dir / RESULT_FILE).is_file():
         raise RuntimeError(f"{run_dir}: fine-tuning ended without {RESULT_FILE}")
     return FinetuneRun(run_dir, json.loads((run_dir / RESULT_FILE).read_text()))

@@ -160,5 +160,4 @@ def _fit(
             "a planned worker fault needs Ray Train workers (the in-process launcher would kill "
             "this process): set train.scale.launcher to ray"
         )
-    config = job.model_dump(mode="json")
-    fit(PRETRAIN_LOOP, config, job.train.scale, root / run_id, ray_cfg, progress)
+    fit(PRETRAIN_LOOP, job, job.train.scale, root / run_id, ray_cfg, progress)

@@ -1,7 +1,8 @@
 """The per-worker pretraining loop: a DeepSpeed engine stepping over the seeded global order.
 
-`train_loop_per_worker(config)` is what Ray Train runs on every worker; `run_worker(job, ctx)`
-is the same loop for any `WorkerContext` (a plain process, e.g. a GPU benchmark without Ray).
+`run_worker(job, ctx)` is the loop for any `WorkerContext`: a Ray Train worker, the driver's own
+process, or a plain process (a GPU benchmark without Ray); `PRETRAIN_LOOP` is how the launcher
+calls it.
 The engine comes from `training/runtime/engine.py`; Ray is reached only through the context. The
 loop steps; checkpoints, evaluation and tracking happen every N steps.
 """
@@ -58,7 +59,7 @@ from training.runtime.engine import DeviceUpdate, autocast_for, initialize_deeps
 from training.runtime.guard import LossGuard
 from training.runtime.progress import connect_progress
 from training.runtime.schedule import GroupLRSchedule
-from training.runtime.worker_context import LoopEntry, RayWorkerContext, WorkerContext
+from training.runtime.worker_context import LoopEntry, WorkerContext
 from training.tracking.runs import MlflowTracker, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
@@ -81,26 +82,15 @@ class WorkerJob(BaseModel):
     progress: str | None = None  # the driver's progress sink (training/runtime/progress.py)
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train's entry point on every worker."""
-    job = WorkerJob.model_validate(config)
-    run_worker(job, RayWorkerContext())
-
-
-def train_in_process(config: dict[str, Any], ctx: WorkerContext) -> dict[str, float]:
-    """The in-process launcher's entry point: the same loop on the driver's one rank."""
-    return run_worker(WorkerJob.model_validate(config), ctx)
-
-
-#: The pretraining loop as both launchers call it (training/runtime/launcher.py).
-PRETRAIN_LOOP = LoopEntry(train_loop_per_worker, train_in_process)
-
-
 def run_worker(job: WorkerJob, ctx: WorkerContext) -> dict[str, float]:
     """Train until `max_steps` (or `stop_at_step`); return the last evaluation's metrics."""
     torch.set_num_threads(job.train.scale.threads_per_worker)
     worker = Worker(job, ctx)
     return worker.run()
+
+
+#: The pretraining loop as both launchers call it (training/runtime/launcher.py).
+PRETRAIN_LOOP = LoopEntry(WorkerJob, run_worker)
 
 
 def _seed_for(seed: int, rank: int) -> int:

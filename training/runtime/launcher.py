@@ -18,7 +18,13 @@ from typing import Any, Literal
 from tasks.common.ray_runtime import RayConfig, ensure_ray
 from training.runtime.config import ScaleConfig
 from training.runtime.progress import ProgressSpec, driver_progress, in_process_progress
-from training.runtime.worker_context import LocalContext, LoopEntry, in_process_rank, torch_backend
+from training.runtime.worker_context import (
+    Job,
+    LocalContext,
+    LoopEntry,
+    in_process_rank,
+    torch_backend,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,36 +63,37 @@ def resolve_launcher(scale: ScaleConfig, ray_cfg: RayConfig) -> Literal["ray", "
 
 
 def fit(
-    entry: LoopEntry,
-    loop_config: dict[str, Any],
+    entry: LoopEntry[Job],
+    job: Job,
     scale: ScaleConfig,
     run_dir: Path,
     ray_cfg: RayConfig,
     progress: ProgressSpec | None = None,
 ) -> None:
-    """Run a training loop on the launcher `resolve_launcher` picks; `run_dir` is its run's.
+    """Run `entry`'s loop on `job` where `resolve_launcher` says; `run_dir` is its run's.
 
     Raises:
         RuntimeError: training failed (on Ray, after `scale.max_failures` restarts).
     """
     if resolve_launcher(scale, ray_cfg) == "in_process":
-        fit_in_process(entry, loop_config, scale, run_dir, progress)
+        fit_in_process(entry, job, scale, run_dir, progress)
     else:
-        fit_on_ray(entry.on_ray, loop_config, scale, run_dir, ray_cfg, progress)
+        fit_on_ray(entry, job, scale, run_dir, ray_cfg, progress)
 
 
 def fit_in_process(
-    entry: LoopEntry,
-    loop_config: dict[str, Any],
+    entry: LoopEntry[Job],
+    job: Job,
     scale: ScaleConfig,
     run_dir: Path,
     progress: ProgressSpec | None = None,
 ) -> None:
     """Run `entry`'s loop as the one worker, in this process, without Ray Train.
 
-    The loop sees the same job as on Ray, a `LocalContext` on `run_dir` (it resumes from the
-    newest valid checkpoint there) and the one-rank world of `in_process_rank`. torch's thread
-    count, which the loop sets to `scale.threads_per_worker`, is restored afterwards.
+    The loop gets `job` itself (the model, never a dict), a `LocalContext` on `run_dir` (it
+    resumes from the newest valid checkpoint there) and the one-rank world of
+    `in_process_rank`. torch's thread count, which the loop sets to `scale.threads_per_worker`,
+    is restored afterwards.
 
     Raises:
         RuntimeError: the loop raised (its exception is the cause).
@@ -96,9 +103,9 @@ def fit_in_process(
     log.info("%s: one worker in this process (no Ray Train start)", run_dir.name)
     threads = torch.get_num_threads()
     with in_process_progress(progress) as address, in_process_rank(scale.backend, scale.use_gpu):
-        config = loop_config if address is None else loop_config | {"progress": address}
+        here = job if address is None else job.model_copy(update={"progress": address})
         try:
-            entry.in_process(config, LocalContext(run_dir))
+            entry.run(here, LocalContext(run_dir))
         except Exception as exc:
             raise RuntimeError(f"training failed in this process ({run_dir}): {exc}") from exc
         finally:
@@ -106,18 +113,19 @@ def fit_in_process(
 
 
 def fit_on_ray(
-    loop: Callable[[dict[str, Any]], None],
-    loop_config: dict[str, Any],
+    entry: LoopEntry[Job],
+    job: Job,
     scale: ScaleConfig,
     run_dir: Path,
     ray_cfg: RayConfig,
     progress: ProgressSpec | None = None,
 ) -> None:
-    """Run `loop(loop_config)` on `scale.num_workers` Ray Train workers; `run_dir` is theirs.
+    """Run `entry`'s loop on `scale.num_workers` Ray Train workers; `run_dir` is theirs.
 
-    Checkpoints are written in place by the loop (`RayWorkerContext`) and pruned by lmpipe.
-    With `progress`, this driver shows what rank 0 reports (`training/runtime/progress.py`):
-    the loop finds the sink at `loop_config["progress"]`, a field of its job model.
+    The job crosses into Ray Train as its JSON dict and is validated back on each worker
+    (`LoopEntry.on_ray`). Checkpoints are written in place by the loop (`RayWorkerContext`) and
+    pruned by lmpipe. With `progress`, this driver shows what rank 0 reports
+    (`training/runtime/progress.py`): the loop finds the sink in the job's `progress` field.
 
     Raises:
         RuntimeError: training failed after `scale.max_failures` restarts.
@@ -127,8 +135,8 @@ def fit_on_ray(
     ensure_ray(ray_cfg)
     set_report_poll(scale)
     with driver_progress(progress) as address:
-        config = loop_config if address is None else loop_config | {"progress": address}
-        trainer = _trainer(loop, config, scale, run_dir)
+        config = job.model_dump(mode="json") | ({} if address is None else {"progress": address})
+        trainer = _trainer(entry.on_ray, config, scale, run_dir)
         try:
             result = trainer.fit()
         except ray.train.TrainingFailedError as exc:

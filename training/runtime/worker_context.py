@@ -13,9 +13,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch.distributed as dist
+from pydantic import BaseModel
 
 from tasks.common.ray_runtime import scoped_environ
 
@@ -44,16 +45,27 @@ class WorkerContext(Protocol):
     def report(self, metrics: dict[str, Any], checkpoint: Path | None) -> None: ...  # noqa: D102
 
 
-@dataclass(frozen=True)
-class LoopEntry:
-    """A training loop as each launcher calls it.
+#: A loop's job: the frozen pydantic model of everything its workers need.
+Job = TypeVar("Job", bound=BaseModel)
 
-    Ray Train calls `on_ray(config)` on every worker (it takes one argument and makes its own
-    `RayWorkerContext`); the in-process launcher calls `in_process(config, LocalContext)`.
+
+@dataclass(frozen=True)
+class LoopEntry(Generic[Job]):
+    """A training loop and the job model it takes, as each launcher calls it.
+
+    The in-process launcher calls `run(job, LocalContext)` with the model itself. Ray Train
+    carries the job to its workers as a plain dict (`TorchTrainer(train_loop_config=...)`, the
+    one place the job is a dict) and calls `on_ray(config)` on each, which validates it back
+    into `job_type` before the loop sees it.
     """
 
-    on_ray: Callable[[dict[str, Any]], None]
-    in_process: Callable[[dict[str, Any], WorkerContext], object]
+    job_type: type[Job]
+    run: Callable[[Job, WorkerContext], object]
+
+    def on_ray(self, config: dict[str, Any]) -> None:
+        """Ray Train's per-worker entry: the job validated back from its dict, Ray's context."""
+        job = self.job_type.model_validate(config)
+        self.run(job, RayWorkerContext())
 
 
 class RayWorkerContext:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors.torch import load_file
 
 from tasks.common.io import flatten
@@ -28,6 +28,7 @@ from training.runtime import launcher
 from training.runtime.config import ScaleConfig
 from training.runtime.launcher import resolve_launcher
 from training.runtime.run_context import RunContext
+from training.runtime.worker_context import LoopEntry
 from training.tracking.runs import TrackingConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -75,6 +76,34 @@ def test_auto_runs_in_process_only_when_ray_would_add_nothing(
 def test_in_process_refuses_what_it_cannot_do(scale: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ScaleConfig.model_validate(scale | {"launcher": "in_process"})
+
+
+class _Job(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    seed: int
+    run_dir: Path
+    progress: str | None = None
+
+
+def test_a_ray_worker_validates_the_job_back_from_its_dict_before_the_loop_runs() -> None:
+    ran: list[object] = []
+    entry = LoopEntry(_Job, lambda job, ctx: ran.append(job))
+    job = _Job(seed=1, run_dir=Path("/tmp/run"))
+    with pytest.raises(ValidationError, match="extra_key"):
+        entry.on_ray(job.model_dump(mode="json") | {"extra_key": 1})
+    with pytest.raises(ValidationError, match="seed"):
+        entry.on_ray({"seed": "not a number", "run_dir": "/tmp/run"})
+    assert ran == []  # refused before a Ray context was asked for or the loop ran
+
+
+def test_the_in_process_launcher_hands_the_loop_the_job_model_itself(tmp_path: Path) -> None:
+    seen: list[object] = []
+    entry = LoopEntry(_Job, lambda job, ctx: seen.append((job, ctx.run_dir)))
+    job = _Job(seed=3, run_dir=tmp_path)
+    scale = ScaleConfig(num_workers=1, max_failures=0, launcher="in_process")
+    launcher.fit(entry, job, scale, tmp_path, NO_CLUSTER)
+    assert seen == [(job, tmp_path)]
+    assert seen[0][0] is job  # no dict on the way: the very object the driver built
 
 
 def same_training(a: dict[str, Any], b: dict[str, Any]) -> None:
