@@ -15,7 +15,8 @@ the tree first on `PYTHONPATH`:
 
 `compare` applies the same-bits rules of `tests/pipelines/flows/workspace_bits.py` (shards,
 tokenizer and exported weights byte for byte; `steps.jsonl`, `evals.jsonl`, `history.jsonl`,
-predictions and manifests by value without timings, run ids and paths) to each pair of
+predictions and manifests by value without timings, run ids, paths and the code's commit,
+source hash and fingerprints) to each pair of
 workspaces. A stage's output directory is named by its key, and the keys of the training
 stages cover the code, so directories are matched by stage: the one output of each stage of one
 workspace against the other's. Exit status 1 when anything differs.
@@ -46,7 +47,19 @@ RUNS = {
     "zero2": ("pretrain", [*SHORT[:3], "train.scale.num_workers=2", "train.zero_stage=2"]),
 }
 # Directories named by a key (a fingerprint or a run id) under each stage's folder.
-KEYED = ("ingest", "tokenizer", "encode", "examples", "pretrain", "downstream", "finetune")
+KEYED = (
+    "ingest",
+    "tokenizer",
+    "encode",
+    "examples",
+    "pretrain",
+    "downstream",
+    "finetune",
+    "evaluate",
+)
+# What names the code, not what it computed: two commits differ here by design (a stage's
+# fingerprint hashes the source of tasks/; directories named by one are matched by stage).
+CODE_KEYS = frozenset({"git_commit", "source_hash", "fingerprint"})
 
 
 def checkout(rev: str, tree: Path) -> None:
@@ -114,7 +127,7 @@ def compare(first: Path, second: Path) -> list[str]:
                 (str(first / name), str(first), *by_stage(first / name, a)),
                 (str(second / name), str(second), *by_stage(second / name, b)),
             )
-            found = workspace_differences(a, b, aliases)
+            found = workspace_differences(a, b, aliases, CODE_KEYS)
             problems += [f"{name}: {p}" for p in found]
     return problems
 

@@ -64,28 +64,28 @@ NOT_COMPARED = (
 VALUE_SUFFIXES = (".json", ".jsonl", ".yaml")
 
 
-def normalised(value: Any, roots: tuple[str, ...]) -> Any:
-    """`value` without timings and run ids, its workspace and input paths made relative."""
+def normalised(value: Any, roots: tuple[str, ...], ignore: frozenset[str] = frozenset()) -> Any:
+    """`value` without timings, run ids and `ignore`d keys, its workspace and inputs relative."""
     if isinstance(value, dict):
-        skip = TIMING_KEYS | RUN_ID_KEYS | PATH_DIGEST_KEYS
+        skip = TIMING_KEYS | RUN_ID_KEYS | PATH_DIGEST_KEYS | ignore
         if str(value.get("name", "")).endswith(TEXT_RECORDS):  # a manifest's entry of such a file
             skip |= {"bytes", "sha256"}
-        return {k: normalised(v, roots) for k, v in value.items() if k not in skip}
+        return {k: normalised(v, roots, ignore) for k, v in value.items() if k not in skip}
     if isinstance(value, list):
-        return [normalised(v, roots) for v in value]
+        return [normalised(v, roots, ignore) for v in value]
     if isinstance(value, str):
         for root in roots:
             value = value.replace(root, "<root>")
     return value
 
 
-def _records(path: Path, roots: tuple[str, ...]) -> Any:
+def _records(path: Path, roots: tuple[str, ...], ignore: frozenset[str]) -> Any:
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".yaml":
-        return normalised(yaml.safe_load(text), roots)
+        return normalised(yaml.safe_load(text), roots, ignore)
     if path.suffix == ".jsonl":
-        return [normalised(json.loads(line), roots) for line in text.splitlines() if line]
-    return normalised(json.loads(text), roots)
+        return [normalised(json.loads(line), roots, ignore) for line in text.splitlines() if line]
+    return normalised(json.loads(text), roots, ignore)
 
 
 def _not_compared(name: str) -> bool:
@@ -104,6 +104,7 @@ def workspace_differences(
     first: Path,
     second: Path,
     inputs: tuple[Path | str, ...] | tuple[tuple[Path | str, ...], tuple[Path | str, ...]] = (),
+    ignore: frozenset[str] = frozenset(),
 ) -> list[str]:
     """Every file of two workspaces of one recipe that breaks the same-bits rules, with why.
 
@@ -113,6 +114,7 @@ def workspace_differences(
         inputs: The two runs' input directories, when they lie outside the workspaces, so that
             paths into them compare equal; or two tuples, each run's own strings that stand
             for the same thing (directories, keys), longest first where one holds another.
+        ignore: Keys of the records not compared either (two commits' `git_commit`, say).
     """
     own_a, own_b = inputs if inputs and isinstance(inputs[0], tuple) else (inputs[:1], inputs[1:])
     roots_a = tuple(str(p) for p in (first, *own_a))
@@ -123,7 +125,7 @@ def workspace_differences(
     for name in sorted(set(files_a) & set(files_b)):
         a, b = files_a[name], files_b[name]
         if name.endswith(VALUE_SUFFIXES):
-            if _records(a, roots_a) != _records(b, roots_b):
+            if _records(a, roots_a, ignore) != _records(b, roots_b, ignore):
                 problems.append(f"differs by value: {name}")
         elif a.read_bytes() != b.read_bytes():
             problems.append(f"differs in bytes: {name}")
