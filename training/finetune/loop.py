@@ -1,10 +1,11 @@
 """The per-worker fine-tuning loop: strategy, engine, epochs, validation, early stopping, export.
 
 `run_finetune_worker(job, ctx)` is the loop for any `WorkerContext` (a Ray Train worker or the
-driver's own process); `FINETUNE_LOOP` is how the launcher calls it. It reuses the pretraining loop's pieces: the context
-(Ray reporting), the engine (DeepSpeed or DDP, `training/runtime/engine.py`), the DeepSpeed config
-builder and the tracker. Every rank evaluates its share of the validation split; predictions
-are gathered so every rank takes the same early-stopping decision.
+driver's own process); `FINETUNE_LOOP` is how the launcher calls it. It reuses the pretraining
+loop's pieces: the context (Ray reporting), the engine (DeepSpeed or DDP,
+`training/runtime/engine.py`), the DeepSpeed optimizer entry and the tracker. Every rank
+evaluates its share of the validation split; predictions are gathered so every rank takes the
+same early-stopping decision.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from tasks.common.ray_runtime import RayConfig
 from tasks.common.stage import content_hash
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import read_manifest
-from training.pretrain.loop import PRETRAIN_LOOP, WorkerJob
+from training.pretrain.job import WorkerJob
+from training.pretrain.loop import PRETRAIN_LOOP
 from training.runtime import checkpoint as ckpt
 from training.runtime.faults import FaultPlan
 from training.runtime.launcher import RunStateError, fit, resolve_launcher

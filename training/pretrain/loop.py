@@ -1,85 +1,49 @@
-"""The per-worker pretraining loop: a DeepSpeed engine stepping over the seeded global order.
+"""The per-worker pretraining loop: `Worker.train_step` is the step, whole, top to bottom.
 
 `run_worker(job, ctx)` is the loop for any `WorkerContext`: a Ray Train worker, the driver's own
 process, or a plain process (a GPU benchmark without Ray); `PRETRAIN_LOOP` is how the launcher
-calls it.
-The engine comes from `training/runtime/engine.py`; Ray is reached only through the context. The
-loop steps; checkpoints, evaluation and tracking happen every N steps.
+calls it. A worker is built by `training/pretrain/build.py` (data, model, engine, schedule,
+guard, telemetry) and stepped here: `train_step` holds everything that touches the weights
+(forward, backward, clipping, the device-side skip, the optimizer and LR steps, the recorded
+metrics); evaluation, checkpoints and tracking happen every N steps around it; fault injection
+and anything else beside the step are hooks at named points (`training/runtime/hooks.py`).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict
 
-from tasks.common import schema
-from training.models.distill import DistillationModel
-from training.models.electra import ElectraPretrainer
-from training.models.flops import CompanionModels, flops_per_token
-from training.models.models import SEQ2SEQ_OBJECTIVES
 from training.pretrain.audit import log_sample_ids, write_pid
-from training.pretrain.config import TrainConfig, deepspeed_config
-from training.pretrain.data import (
-    EVAL_EPOCH,
-    BatchBuilder,
-    Cursor,
-    ExampleShards,
-    GlobalOrder,
-    dynamic_masker,
-    rank_micro_batches,
-    read_manifest,
-    sequence_length,
+from training.pretrain.build import (
+    build_parts,
+    on_device,
+    pinned,
+    reference_indices,
+    train_loss,
 )
+from training.pretrain.data import EVAL_EPOCH, Cursor, rank_micro_batches
+from training.pretrain.job import WorkerJob
 from training.pretrain.length_schedule import check_length_schedule, length_at
 from training.pretrain.loss_common import StepOutput
-from training.pretrain.losses import (
-    export_loss,
-    exported_model,
-    pretraining_loss,
-    varying_masked_positions,
-)
+from training.pretrain.losses import export_loss, pretraining_loss
 from training.pretrain.prefetch import Prefetcher, StepPlan
-from training.pretrain.pretraining_model import build_pretraining_model, zero3_leaf_modules
-from training.pretrain.telemetry import StepMeter, Telemetry
+from training.pretrain.telemetry import StepMeter
 from training.runtime import checkpoint as ckpt
 from training.runtime import faults
-from training.runtime.deepspeed import param_groups
-from training.runtime.engine import DeviceUpdate, autocast_for, initialize_deepspeed
-from training.runtime.guard import LossGuard
-from training.runtime.progress import connect_progress
-from training.runtime.schedule import GroupLRSchedule
+from training.runtime.engine import autocast_for
+from training.runtime.hooks import Hooks
 from training.runtime.worker_context import LoopEntry, WorkerContext
-from training.tracking.runs import MlflowTracker, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
-
-
-class WorkerJob(BaseModel):
-    """Everything a worker needs: the train config, its inputs, and where to report."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    train: TrainConfig
-    seed: int
-    examples_dir: Path
-    tokenizer_dir: Path
-    config_hash: str
-    tracking_uri: str | None = None
-    run_id: str | None = None
-    stop_at_step: int | None = None  # end this attempt after that step, with a checkpoint
-    fault: faults.FaultPlan | None = None  # the reliability suite's injected SIGKILL
-    teacher_dir: Path | None = None  # distillation: the resolved local teacher
-    progress: str | None = None  # the driver's progress sink (training/runtime/progress.py)
 
 
 def run_worker(job: WorkerJob, ctx: WorkerContext) -> dict[str, float]:
@@ -93,120 +57,34 @@ def run_worker(job: WorkerJob, ctx: WorkerContext) -> dict[str, float]:
 PRETRAIN_LOOP = LoopEntry(WorkerJob, run_worker)
 
 
-def _seed_for(seed: int, rank: int) -> int:
-    return int(np.random.SeedSequence([seed, rank, 0xD70]).generate_state(1, np.uint32)[0])
-
-
 class Worker:
-    """One rank's model, data and engine, and the steps it takes."""
+    """One rank's model, data and engine (built by `build_parts`), and the steps it takes."""
 
-    def __init__(self, job: WorkerJob, ctx: WorkerContext) -> None:
-        """Open the data, build the model (same weights on every rank) and the engine."""
+    def __init__(self, job: WorkerJob, ctx: WorkerContext, hooks: Hooks | None = None) -> None:
+        """Build this rank's parts; `hooks` run beside the step (default: `job.fault`'s)."""
         self.job, self.ctx, self.cfg = job, ctx, job.train
-        manifest = read_manifest(job.examples_dir)
-        self.objective: str = manifest["objective"]
-        self.train_data = ExampleShards(job.examples_dir, "train", verify=self.cfg.verify_shards)
-        self.eval_data = ExampleShards(job.examples_dir, "validation", verify=False)
-        self.order = GlobalOrder(len(self.train_data), job.seed, self.cfg.global_batch_size)
-        self.build = BatchBuilder(
-            self.objective,
-            dynamic_masker(manifest, job.tokenizer_dir, job.seed),
-            self.cfg.document_masking,
-        )
-        torch.manual_seed(job.seed)  # identical initial weights on every rank
-        length = sequence_length(manifest)
-        specials = manifest["specials"]
-        model = build_pretraining_model(
-            self.cfg,
-            self.objective,
-            specials["vocab_size"],
-            specials,
-            length,
-            job.teacher_dir,
-            job.tokenizer_dir,
-        )
-        self._build_engine(model)
-        opt = self.cfg.optim
-        self.schedule = GroupLRSchedule(
-            self.engine.optimizer,
-            warmup_steps=min(opt.warmup_steps, self.cfg.max_steps),
-            total_steps=self.cfg.max_steps,
-            decay=opt.decay,
-            min_lr_ratio=opt.min_lr_ratio,
-        )
-        self.accum = self.cfg.accumulation_steps(ctx.world_size)
-        self.micro = self.cfg.micro_batch(ctx.world_size)
-        self._warn_if_zero_shards_nothing()
-        self.guard = LossGuard(self.cfg.guard)
-        self.guard.to(self.engine.device)
-        direct = self.cfg.zero_stage == 0 and ctx.world_size == 1 and self.cfg.precision != "fp16"
-        self.update = DeviceUpdate(self.engine, self.cfg.optim.grad_clip, self.ds_config, direct)
-        self.precision = functools.partial(autocast_for, self.ds_config, self.engine.device)
-        flops_at = functools.lru_cache(maxsize=8)(lambda seq: self._flops(manifest, seq))
-        tracker: Tracker = NullTracker()
-        if ctx.rank == 0 and job.tracking_uri and job.run_id:
-            tracker = MlflowTracker(job.tracking_uri, job.run_id)
-        self.telemetry = Telemetry(self.cfg, ctx, tracker, flops_at(length), flops_at)
-        self.progress = connect_progress(job.progress, ctx.rank, self.cfg.max_steps)
+        parts = build_parts(job, ctx)
+        data, step = parts.data, parts.step
+        self.objective, self.build = data.objective, data.build
+        self.train_data, self.eval_data, self.order = data.train, data.validation, data.order
+        self.engine, self.ds_config, self.optimizer = step.engine, step.ds_config, step.optimizer
+        self.direct, self.clip = step.direct, step.clip
+        self.accum, self.micro = step.accumulation, step.micro
+        self.schedule, self.guard = step.schedule, step.guard
+        self.telemetry, self.progress = parts.telemetry, parts.progress
+        self.hooks = hooks if hooks is not None else faults.fault_hooks(job.fault, ctx.rank)
+        # The step's loss (compiled when asked); evaluation calls `pretraining_loss` eagerly.
+        self.train_loss = train_loss(self._forward, self.cfg, self.engine)
         self.step, self.cursor, self.tokens_seen = 0, Cursor(), 0
-        ahead = self.cfg.prefetch == "on" or (
-            self.cfg.prefetch == "auto" and self.engine.device.type == "cuda"
-        )
-        self.batches = Prefetcher(self._plan, ahead)
-        ckpt.seed_rngs(_seed_for(job.seed, ctx.rank))  # dropout differs across ranks
-
-    def _build_engine(self, model: torch.nn.Module) -> None:
-        """The DeepSpeed engine over `model`, and the loss function (compiled if asked)."""
-        self.ds_config = deepspeed_config(self.cfg, self.ctx.world_size)
-        leaves = zero3_leaf_modules(model) if self.cfg.zero_stage == 3 else []
-        self.engine = initialize_deepspeed(
-            model,
-            param_groups(model.named_parameters(), self.cfg.optim.weight_decay),
-            self.ds_config,
-            leaves,
-        )
-        self.loss: Callable[[dict[str, torch.Tensor], bool], StepOutput] = self._forward
-        if (
-            self.cfg.compile
-            and self.cfg.compile_scope == "model_and_loss"
-            and self.cfg.zero_stage < 3
-        ):
-            # One graph from the ids to the loss: the padded-vocabulary masking, the float cast
-            # and the cross-entropy fuse instead of each writing a (tokens x vocabulary) tensor.
-            self.loss = varying_masked_positions(torch.compile(self.loss))
-        elif self.cfg.compile:  # ZeRO 3's gather hooks run around each module's forward
-            for child in self.engine.module.children():
-                child.compile()
-
-    def _warn_if_zero_shards_nothing(self) -> None:
-        if self.cfg.zero_stage > 0 and self.ctx.world_size == 1 and self.ctx.rank == 0:
-            log.warning(
-                "train.zero_stage=%d on one worker shards nothing but still pays ZeRO's "
-                "gradient bookkeeping (about 10%% of a CPU step, docs/pretraining.md); "
-                "zero_stage 0 is the single-worker setting",
-                self.cfg.zero_stage,
-            )
+        self.batches = Prefetcher(self._plan, parts.prefetch)
 
     def _forward(self, batch: dict[str, torch.Tensor], sparse_mlm: bool) -> StepOutput:
         """The model's forward pass and loss on one micro-batch (what `compile` compiles)."""
         return pretraining_loss(self.engine.module, self.objective, batch, sparse_mlm)
 
-    def _flops(self, manifest: dict[str, Any], length: int) -> float:
-        labels = self.train_data.columns.get(schema.LABELS)
-        module = self.engine.module
-        generator = module.generator.config if isinstance(module, ElectraPretrainer) else None
-        teacher = module.teacher.config if isinstance(module, DistillationModel) else None
-        return flops_per_token(
-            exported_model(module).config,
-            length,
-            self.objective,
-            mlm_probability=manifest["config"]["mask"]["masked_lm_prob"],
-            sparse_mlm=self.cfg.sparse_mlm,
-            target_len=labels[0].shape[1]
-            if labels and self.objective in SEQ2SEQ_OBJECTIVES
-            else None,
-            companions=CompanionModels(generator, teacher),
-        )
+    def precision(self) -> Any:
+        """The autocast DeepSpeed's own forward would enter (the loop calls the model itself)."""
+        return autocast_for(self.ds_config, self.engine.device)
 
     # -- resume ---------------------------------------------------------------------------
 
@@ -324,38 +202,51 @@ class Worker:
     def train_step(self) -> None:
         """One optimizer step over this rank's share of the next global batch.
 
-        Nothing here reads a tensor value on the host: the guard's skip flag, the gradient norm
-        and the step's statistics stay on the device until `flush`.
+        Everything that touches the weights, in order. Nothing here reads a tensor value on the
+        host: the guard's skip flag, the gradient norm and the step's statistics stay on the
+        device until `flush` (a test counts the reads).
         """
-        plan = self.batches.take(self.step + 1, self.cursor)
-        length, micro = plan.length, plan.micro
-        meter = StepMeter()
+        plan = self.batches.take(self.step + 1, self.cursor)  # built on the host, maybe ahead
         lr = self.schedule.get_last_lr()[0]
+        meter = StepMeter()
         for i, host in enumerate(plan.batches):
-            batch = self._to_device(host)
+            if i and not self.direct:
+                self.engine.step()  # DeepSpeed counts micro-batches; it updates at the last only
+            batch = on_device(host, self.engine.device)
             with self.precision():
-                out = self.loss(batch, self.cfg.sparse_mlm)
+                out = self.train_loss(batch, self.cfg.sparse_mlm)  # forward and loss
             self.guard.observe(out.loss)
-            self.update.backward(out.loss)
-            boundary = i == len(micro) - 1
-            if boundary:  # the update's boundary: decide, clip, then step
-                skip, record = self.guard.decide()
-                grad_norm = self.update.prepare(skip)
-            self.update.step(boundary)
+            if self.direct:  # one rank, ZeRO 0: a plain backward over the accumulation steps
+                (out.loss / self.accum).backward()  # type: ignore[no-untyped-call]
+            else:  # DeepSpeed scales, reduces and (ZeRO) partitions the gradients
+                self.engine.backward(out.loss)
             meter.add(out, batch)
-        self.schedule.step()  # the next step's rates
-        self.cursor = plan.after
-        self.step += 1
-        self._fault("step")
-        # Host values only: the step's samples (all ranks) and their token positions.
+        # The guard's verdict on the step's losses, on the device: 1 skips the update. As
+        # torch.amp's GradScaler does, it reaches the fused AdamW as `found_inf`, and at 1 the
+        # kernel leaves every weight and its moments and step count as they were.
+        skip, guard_record = self.guard.decide()
+        self.optimizer.found_inf = skip.float().reshape(())
+        grad_norm = None
+        if self.clip > 0:  # where the engine does not clip (ZeRO 0): torch's foreach kernels
+            params = [p for p in self.engine.module.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True)
+        if self.direct:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:  # the engine clips (ZeRO), then steps the same fused AdamW
+            self.engine.step()
+        self.schedule.step()  # the next step's learning rates
+        self.cursor, self.step = plan.after, self.step + 1
+        self.hooks.run("step", self.step)
+        # What the step records: host values for the progress line, device values kept.
         samples = self.cfg.global_batch_size
-        self.progress.step(self.step, samples=samples, tokens=samples * length)
+        self.progress.step(self.step, samples=samples, tokens=samples * plan.length)
         if grad_norm is None:  # ZeRO computes the norm inside its step
             grad_norm = self.engine.get_global_grad_norm()
-        if self.telemetry.record(self.step, meter, lr, grad_norm, skip, record, length):
+        if self.telemetry.record(self.step, meter, lr, grad_norm, skip, guard_record, plan.length):
             self.flush()
         if self.cfg.log_sample_ids:
-            log_sample_ids(self.ctx, self.step, np.concatenate(micro))
+            log_sample_ids(self.ctx, self.step, np.concatenate(plan.micro))
 
     def flush(self) -> None:
         """Read the steps recorded since the last flush: log, replay the guard, show the loss."""
@@ -381,8 +272,10 @@ class Worker:
         epoch, indices, after = self.order.next_batch(cursor)
         length = self._seq_len(step - 1)
         micro = rank_micro_batches(indices, self.ctx.rank, self.ctx.world_size, self.micro)
+        device = self.engine.device
         batches = [
-            self._host(self.build(self.train_data.take(ids), ids, epoch, length)) for ids in micro
+            pinned(self.build(self.train_data.take(ids), ids, epoch, length), device)
+            for ids in micro
         ]
         return StepPlan(step, cursor, epoch, after, length, micro, batches)
 
@@ -394,7 +287,8 @@ class Worker:
         meter = StepMeter()
         with torch.no_grad():
             for ids in rank_micro_batches(indices, self.ctx.rank, self.ctx.world_size, self.micro):
-                batch = self._device(self.build(self.eval_data.take(ids), ids, EVAL_EPOCH))
+                rows = self.build(self.eval_data.take(ids), ids, EVAL_EPOCH)
+                batch = on_device(pinned(rows, self.engine.device), self.engine.device)
                 with self.precision():
                     out = pretraining_loss(
                         self.engine.module, self.objective, batch, self.cfg.sparse_mlm
@@ -412,26 +306,23 @@ class Worker:
         client = {"lmpipe_step": self.step}
         self.engine.save_checkpoint(str(path), tag=ckpt.TAG, client_state=client, save_latest=False)
         torch.save(ckpt.rng_state(), path / ckpt.rng_file(self.ctx.rank))
-        self._fault("after_shard")
+        self.hooks.run("after_shard", self.step)
         reference = self.reference_loss()
         _barrier()
         if self.ctx.rank == 0:
-            self._fault("before_meta")
+            self.hooks.run("before_meta", self.step)
             ckpt.write_meta(path, self._meta(metrics) | {"reference": reference})
-            self._fault("before_latest")
+            self.hooks.run("before_latest", self.step)
             ckpt.write_latest(self.ctx.run_dir, path)
-            self._fault("after_latest")
+            self.hooks.run("after_latest", self.step)
         _barrier()
         self.ctx.report({"step": self.step, **metrics}, path)
         if self.ctx.rank == 0:
             ckpt.prune(
                 self.ctx.run_dir,
                 self.cfg.checkpoint.keep_last,
-                on_uncommitted=lambda _: self._fault("during_purge"),
+                on_uncommitted=lambda _: self.hooks.run("during_purge", self.step),
             )
-
-    def _fault(self, point: faults.FaultPoint) -> None:
-        faults.hit(self.job.fault, point, self.step, self.ctx.rank)
 
     def reference_loss(self, indices: np.ndarray | None = None) -> dict[str, Any]:
         """The eval-mode loss of the fixed batch an export must reproduce (every rank runs it).
@@ -440,7 +331,8 @@ class Worker:
         """
         if indices is None:
             indices = reference_indices(len(self.eval_data), self.micro)
-        batch = self._device(self.build(self.eval_data.take(indices), indices, EVAL_EPOCH))
+        rows = self.build(self.eval_data.take(indices), indices, EVAL_EPOCH)
+        batch = on_device(pinned(rows, self.engine.device), self.engine.device)
         self.engine.module.eval()
         with torch.no_grad():
             loss = export_loss(self.engine.module, self.objective, batch, self.cfg.sparse_mlm)
@@ -464,22 +356,6 @@ class Worker:
             "tokenizer_dir": str(self.job.tokenizer_dir),
             "teacher_dir": str(self.job.teacher_dir) if self.job.teacher_dir else None,
         }
-
-    def _host(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.engine.device.type == "cuda":  # pinned: the copy to the GPU runs asynchronously
-            return {k: v.pin_memory() for k, v in batch.items()}
-        return batch
-
-    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.engine.device, non_blocking=True) for k, v in batch.items()}
-
-    def _device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self._to_device(self._host(batch))
-
-
-def reference_indices(size: int, count: int) -> np.ndarray:
-    """The validation samples of the fixed reference batch: the first `count`."""
-    return np.arange(min(size, count))
 
 
 def _barrier() -> None:

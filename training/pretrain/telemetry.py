@@ -98,7 +98,9 @@ def measure_peak_flops(dtype: torch.dtype, seconds: float = 0.5) -> float:
     if dtype in _PEAK_CACHE:
         return _PEAK_CACHE[dtype]
     n = 1024
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    own = torch.Generator().manual_seed(0)  # not the global RNG, which dropout draws from
+    a = torch.randn(n, n, generator=own).to(dtype)
+    b = torch.randn(n, n, generator=own).to(dtype)
     torch.mm(a, b)
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -122,8 +124,9 @@ def datasheet_peak(device_name: str, dtype: torch.dtype) -> float | None:
 
 def measure_cuda_peak_flops(dtype: torch.dtype, device: torch.device, n: int = 8192) -> float:
     """The current GPU's dense matmul FLOP/s in `dtype`: n x n x n products, best of five."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    own = torch.Generator(device=device).manual_seed(0)  # not the global RNG (dropout's)
+    a = torch.randn(n, n, device=device, generator=own).to(dtype)
+    b = torch.randn(n, n, device=device, generator=own).to(dtype)
     for _ in range(3):  # warm-up: clocks and cuBLAS's kernel choice
         torch.mm(a, b)
     best = 0.0

@@ -122,59 +122,24 @@ def base_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-class DeviceUpdate:
-    """What the loop does between the last backward of a step and the engine's step.
+def fused_optimizer(engine: Any) -> Any:
+    """The torch AdamW under `engine` that steps the weights, checked to be the fused one.
 
-    - The guard's skip flag reaches torch's fused AdamW as `found_inf`, the attribute
-      `torch.amp.GradScaler` sets: when it is 1 the kernel leaves every weight and its own
-      state (moments, step count) exactly as they were, and nothing is read on the host.
-    - Where the engine does not clip (ZeRO 0, `deepspeed_config`), the loop clips here with
-      torch's foreach kernels, so the norm stays a device tensor for the logs.
-    - `direct` (ZeRO 0 on one rank, not fp16): there is nothing to reduce or partition, so
-      `backward` and `step` are a plain loop's (the loss over the accumulation steps, then the
-      fused AdamW), and the DeepSpeed engine only saves and loads checkpoints. Its own backward
-      and step add gradient hooks, a flattened copy of every gradient for an all-reduce over
-      one rank, and their Python.
+    The pretraining step skips an update on the device through it: the guard's flag is set as
+    its `found_inf` (the attribute `torch.amp.GradScaler` sets), and at 1 the fused kernel
+    leaves every weight and its own state (moments, step count) exactly as they were.
+
+    Raises:
+        ValueError: the engine steps another optimizer (one from `train.deepspeed_extra`).
     """
-
-    def __init__(
-        self, engine: Any, grad_clip: float, ds_config: dict[str, Any], direct: bool = False
-    ) -> None:
-        """Find the fused optimizer under `engine`; refuse one that cannot skip on the device."""
-        self.engine = engine
-        self.direct = direct
-        self.accumulation = int(ds_config.get("gradient_accumulation_steps", 1))
-        self.optimizer = base_optimizer(engine.optimizer)
-        if not getattr(self.optimizer, "defaults", {}).get("fused"):
-            raise ValueError(
-                "train.guard skips a step on the device through torch's fused AdamW (lmpipe's "
-                f"DeepSpeed optimizer); this engine steps {type(self.optimizer).__name__}: "
-                "remove the optimizer from train.deepspeed_extra"
-            )
-        self.clip = grad_clip if ds_config.get("gradient_clipping", 0.0) == 0.0 else 0.0
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate the gradient of one micro-batch's loss (over the accumulation steps)."""
-        if self.direct:
-            (loss / self.accumulation).backward()  # type: ignore[no-untyped-call]
-        else:
-            self.engine.backward(loss)
-
-    def step(self, boundary: bool) -> None:
-        """After each micro-batch: the engine's step, or on the boundary the optimizer's."""
-        if not self.direct:
-            self.engine.step()
-        elif boundary:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
-    def prepare(self, skip: torch.Tensor) -> torch.Tensor | None:
-        """Arm the optimizer with `skip`; clip if the loop clips. Returns that norm, or None."""
-        self.optimizer.found_inf = skip.float().reshape(())
-        if self.clip <= 0:
-            return None
-        params = [p for p in self.engine.module.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True)
+    optimizer = base_optimizer(engine.optimizer)
+    if not getattr(optimizer, "defaults", {}).get("fused"):
+        raise ValueError(
+            "train.guard skips a step on the device through torch's fused AdamW (lmpipe's "
+            f"DeepSpeed optimizer); this engine steps {type(optimizer).__name__}: "
+            "remove the optimizer from train.deepspeed_extra"
+        )
+    return optimizer
 
 
 class TorchEngine:

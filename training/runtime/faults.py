@@ -9,25 +9,28 @@ attempt that reaches the same point finds the marker and carries on. A plan may 
 one (`then`, with its own marker), so one run takes several faults, each resumed from.
 
 Plans reach workers inside `WorkerJob` (`pretrain_stage(..., control=RunControl(fault=plan))`);
-nothing reads the environment, so a stray variable can never kill a production run.
+nothing reads the environment, so a stray variable can never kill a production run. The loop
+reaches a plan through its hooks (`fault_hooks`, `training/runtime/hooks.py`), not through calls
+of its own.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
+
+from training.runtime.hooks import HookPoint, Hooks
 
 # The save protocol in order (training/pretrain/loop.py `Worker.save`): every rank writes its
 # DeepSpeed shards and RNG file; rank 0 writes meta.json (the commit); rank 0 moves the `latest`
 # pointer; the checkpoint is reported to Ray; rank 0 purges checkpoints beyond `keep_last`.
 SAVE_POINTS = ("after_shard", "before_meta", "before_latest", "after_latest", "during_purge")
-FaultPoint = Literal[
-    "step", "after_shard", "before_meta", "before_latest", "after_latest", "during_purge"
-]
+#: Where a fault can fire: any of the loop's hook points.
+FaultPoint = HookPoint
 
 
 class FaultPlan(BaseModel):
@@ -57,11 +60,22 @@ def chain(plan: FaultPlan | None) -> list[FaultPlan]:
     return plans
 
 
-def hit(plan: FaultPlan | None, point: FaultPoint, step: int, rank: int) -> None:
-    """SIGKILL this process if a plan of `plan`'s chain names this point, step and rank unfired."""
+def fault_hooks(plan: FaultPlan | None, rank: int, hooks: Hooks | None = None) -> Hooks:
+    """`hooks` (or new ones) with a callback at each point of `plan`'s chain that fires on `rank`.
+
+    Each callback kills this process when the loop reaches its point at its step, once: the
+    marker file it creates first disarms the plan for a restarted attempt.
+    """
+    hooks = hooks if hooks is not None else Hooks()
     for each in chain(plan):
-        if (each.point, each.step, each.rank) == (point, step, rank):
-            _fire(each, point, step, rank)
+        if each.rank == rank:
+            hooks.add(each.point, functools.partial(_fire_at, each, rank))
+    return hooks
+
+
+def _fire_at(plan: FaultPlan, rank: int, step: int) -> None:
+    if step == plan.step:
+        _fire(plan, plan.point, step, rank)
 
 
 def _fire(plan: FaultPlan, point: FaultPoint, step: int, rank: int) -> None:

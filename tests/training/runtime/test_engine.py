@@ -49,8 +49,7 @@ import training.pretrain.loop, training.finetune.loop
 print("at entry:", sorted(m for m in {NOT_AT_ENTRY!r} if m in sys.modules))
 import torch
 import torch.distributed as dist
-from training.pretrain.config import TrainConfig
-from training.runtime.deepspeed import deepspeed_config
+from training.pretrain.config import TrainConfig, deepspeed_config
 from training.runtime.engine import initialize_deepspeed
 
 dist.init_process_group("gloo", rank=0, world_size=1)
