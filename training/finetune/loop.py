@@ -29,7 +29,7 @@ from training.finetune.outputs import confusion_entry, run_result, write_outputs
 from training.finetune.strategies import apply_strategy, head_prefixes_for
 from training.models.export import max_length
 from training.models.task_models import load_task_model
-from training.runtime.deepspeed import adamw_section, merge
+from training.runtime.deepspeed import adamw_section, engine_config, merge
 from training.runtime.engine import Engine, TorchEngine, initialize_deepspeed
 from training.runtime.progress import connect_progress
 from training.runtime.schedule import GroupLRSchedule
@@ -78,17 +78,16 @@ def _engine(job: FinetuneJob, model: torch.nn.Module, groups: list[dict[str, Any
             accumulation_steps=accum,
             grad_clip=cfg.grad_clip,
         )
-    ds: dict[str, Any] = {
-        "train_batch_size": cfg.batch_size,
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": accum,
-        "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "bf16": {"enabled": cfg.precision == "bf16"},
-        "optimizer": adamw_section(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay),
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 1 << 30,
-    }
+    ds = engine_config(
+        global_batch=cfg.batch_size,
+        micro_batch=cfg.micro_batch_size,
+        accumulation=accum,
+        grad_clip=cfg.grad_clip,
+        zero_stage=cfg.zero_stage,
+        precision=cfg.precision,
+        optimizer=adamw_section(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay),
+    )
+    ds["zero_allow_untested_optimizer"] = True
     return initialize_deepspeed(model, groups, merge(ds, cfg.deepspeed_extra))  # type: ignore[no-any-return]
 
 

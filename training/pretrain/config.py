@@ -23,7 +23,7 @@ from training.models.config import (
 )
 from training.pretrain.length_schedule import LengthSchedule
 from training.runtime.config import CheckpointConfig, GuardConfig, ScaleConfig
-from training.runtime.deepspeed import adamw_section, merge
+from training.runtime.deepspeed import adamw_section, engine_config, merge
 from training.runtime.precision import AutoPrecision
 
 
@@ -214,29 +214,26 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     `cfg.deepspeed_extra` is merged last (nested dicts merge key by key), so a user can set
     any DeepSpeed key the typed config does not cover.
     """
-    accum = cfg.accumulation_steps(world_size)
     opt = cfg.optim
-    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    ds = engine_config(
+        global_batch=cfg.global_batch_size,
+        micro_batch=cfg.micro_batch(world_size),
+        accumulation=cfg.accumulation_steps(world_size),
+        grad_clip=opt.grad_clip,
+        zero_stage=cfg.zero_stage,
+        precision=cfg.precision,
+        optimizer=adamw_section(opt.lr, opt.betas, opt.eps, opt.weight_decay),
+    )
     if cfg.zero_stage == 3:
         # Export gathers fp32 weights from the shards (zero_to_fp32); no 16-bit copy on save.
-        zero["stage3_gather_16bit_weights_on_model_save"] = False
-    ds: dict[str, Any] = {
-        "train_batch_size": cfg.global_batch_size,
-        "train_micro_batch_size_per_gpu": cfg.micro_batch(world_size),
-        "gradient_accumulation_steps": accum,
-        "gradient_clipping": opt.grad_clip,
-        "zero_optimization": zero,
-        "bf16": {"enabled": cfg.precision == "bf16"},
-        "fp16": {"enabled": cfg.precision == "fp16", "initial_scale_power": 16},
-        "optimizer": adamw_section(opt.lr, opt.betas, opt.eps, opt.weight_decay),
-        # No "scheduler": the loop sets every group's rate (training/runtime/schedule.py), so the
-        # first step already trains (DeepSpeed's WarmupDecayLR gave it lr 0).
-        "steps_per_print": 1 << 30,  # lmpipe logs; DeepSpeed's own prints would interleave
-        "wall_clock_breakdown": False,
-        # DeepSpeed's throughput timer (on by default) synchronises the device at the start of
-        # every forward and at every step from the third on; lmpipe measures its own throughput.
-        "timers": {"throughput": {"enabled": False}},
-    }
+        ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    # No "scheduler": the loop sets every group's rate (training/runtime/schedule.py), so the
+    # first step already trains (DeepSpeed's WarmupDecayLR gave it lr 0).
+    ds["fp16"] = {"enabled": cfg.precision == "fp16", "initial_scale_power": 16}
+    ds["wall_clock_breakdown"] = False
+    # DeepSpeed's throughput timer (on by default) synchronises the device at the start of
+    # every forward and at every step from the third on; lmpipe measures its own throughput.
+    ds["timers"] = {"throughput": {"enabled": False}}
     if cfg.zero_stage > 0:
         ds["zero_allow_untested_optimizer"] = True
     elif cfg.precision != "fp16":  # fp16 keeps DeepSpeed's loss scaler, which clips unscaled

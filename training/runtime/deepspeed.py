@@ -20,6 +20,33 @@ if TYPE_CHECKING:
 _NORM_OR_BIAS = ("bias", "norm", "layernorm", "layer_norm", "ln_")
 
 
+def engine_config(
+    *,
+    global_batch: int,
+    micro_batch: int,
+    accumulation: int,
+    grad_clip: float,
+    zero_stage: int,
+    precision: str,
+    optimizer: dict[str, Any],
+) -> dict[str, Any]:
+    """What both loops' DeepSpeed dicts hold: the batch's shape, clipping, ZeRO, bf16, AdamW.
+
+    DeepSpeed's own progress prints are off (lmpipe logs; they would interleave). Each loop adds
+    what is its own (pretraining: fp16 loss scaling, the timers, the ZeRO-0 direct step).
+    """
+    return {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "bf16": {"enabled": precision == "bf16"},
+        "optimizer": optimizer,
+        "steps_per_print": 1 << 30,
+    }
+
+
 def adamw_section(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float
 ) -> dict[str, Any]:
