@@ -3,8 +3,8 @@
 Usage: python bench/examples_throughput.py [--mb 110] [--out bench/results]
        [--only stages,masking,causal] [--repeat 3]
 
-Reuses the corpus of bench/tokenizer_encode.py (same generator), ingests it, trains a
-WordPiece tokenizer and encodes it once (set-up, not measured), then measures:
+Reuses the corpus of bench/tokenizer_encode.py (the same generator, bench/corpus.py), ingests
+it, trains a WordPiece tokenizer and encodes it once (set-up, not measured), then measures:
 
 - masking: `tasks.examples.objectives.mask_tokens` against
   `transformers.DataCollatorForLanguageModeling` on the same 64 batches of 256 unmasked BERT rows of
@@ -34,7 +34,6 @@ parity check exits non-zero (`parity.py`).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
@@ -50,46 +49,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import pyarrow as pa
-from parity import (
-    ParityError,
-    expected_blocks,
-    masking_counts,
-    masking_summary,
-    require_equal_blocks,
-    require_same_masking,
-    same_rows,
+from causal_packing import LENGTH, causal_in_process, causal_parity, group_texts, stage_blocks
+from corpus import jsonl_ingest_config, write_corpus
+from harness import (
+    CORES,
+    add_folder_args,
+    median_run,
+    phase_entry,
+    phase_rounds,
+    run_phase,
+    write_json,
 )
-from tokenizer_encode import CORES, run_phase, write_corpus
+from parity import masking_counts, masking_summary, require_same_masking
 
 from tasks.common import schema
 from tasks.common.io import read_ipc_stream
 
-BATCHES, ROWS, LENGTH = 64, 256, 128
-GROUP_BATCH = 1000  # documents per `group_texts` call: `datasets.map`'s default batch size
+BATCHES, ROWS = 64, 256  # the masking comparison: batches of rows of LENGTH tokens
 
 
 def _stage_setup(args: argparse.Namespace) -> dict[str, Any]:
     from tasks.common.ray_runtime import RayConfig
     from tasks.encode.encode import EncodeConfig
     from tasks.encode.stage import run_encode
-    from tasks.ingest.ingest import IngestConfig
-    from tasks.ingest.sources import SourceConfig
     from tasks.ingest.stage import run_ingest
     from tasks.tokenizer.stage import run_tokenizer
     from tasks.tokenizer.tokenizer import TokenizerConfig
 
     ray_cfg = RayConfig(num_workers=CORES)
     ws = args.work / f"ws-{args.corpus.stem}"
-    ingest = run_ingest(
-        IngestConfig(
-            sources=[SourceConfig(path=str(args.corpus), format="jsonl")],
-            dedup={"near": {"enabled": False}},  # type: ignore[arg-type]
-            shard_size_mb=64,
-            unit_size_mb=32,
-        ),
-        ray_cfg,
-        ws,
-    )
+    ingest = run_ingest(jsonl_ingest_config(args.corpus), ray_cfg, ws)
     family = args.family or "wordpiece"  # unigram: T5's sentinels, for span_corruption
     tok = run_tokenizer(
         TokenizerConfig(family=family, vocab_size=30_000, sample_documents=20_000),
@@ -147,7 +136,7 @@ def _examples_stage(
     elapsed = time.perf_counter() - start + (ray_start_s if with_ray_start else 0.0)
     ray.shutdown()
     if args.objective == "causal":
-        np.save(args.work / "blocks-stage.npy", _stage_blocks(result.path))
+        np.save(args.work / "blocks-stage.npy", stage_blocks(result.path))
     split = result.manifest["splits"]["train"]
     examples = split["rows"] + result.manifest["splits"]["validation"]["rows"]
     return {
@@ -197,6 +186,58 @@ def _masking_batches(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, 
     return batches, special, tok
 
 
+def _mask_lmpipe(batches: np.ndarray, special: np.ndarray, tok: Any) -> tuple[list[Any], float]:
+    """Mask each batch with `mask_tokens`; return the (ids, labels) of each and the time."""
+    from tasks.examples.objectives.masking import MaskConfig, mask_tokens
+    from tasks.examples.objectives.rng import sample_keys
+
+    cfg = MaskConfig(max_predictions_per_seq=LENGTH)  # no cap, as the collator has none
+    random_ids = np.setdiff1d(np.arange(len(tok)), tok.all_special_ids)
+    maskable = ~special
+    outs = []
+    start = time.perf_counter()
+    for b, batch in enumerate(batches):
+        keys = sample_keys(0, 0, np.arange(b * ROWS, (b + 1) * ROWS))
+        r = mask_tokens(batch, maskable[b], None, keys, cfg, tok.mask_token_id, random_ids)
+        outs.append((r.input_ids, r.labels))
+    return outs, time.perf_counter() - start
+
+
+def _mask_collator(
+    side: str, batches: np.ndarray, special: np.ndarray, tok: Any
+) -> tuple[list[Any], float]:
+    """Mask each batch with the collator (`side`); return the (ids, labels) of each and the time.
+
+    `collator-masking` calls `torch_mask_tokens` on fresh tensors (it masks them in place);
+    `collator-call` calls the collator on each batch's features, as a `DataLoader` does.
+    """
+    import torch
+    from transformers import DataCollatorForLanguageModeling
+
+    collator = DataCollatorForLanguageModeling(
+        tok, mlm=True, mlm_probability=0.15, return_tensors="pt"
+    )
+    if side == "collator-masking":
+        inputs = [
+            (torch.from_numpy(b.copy()), torch.from_numpy(m))
+            for b, m in zip(batches, special, strict=True)
+        ]
+        start = time.perf_counter()
+        outs = [collator.torch_mask_tokens(x, special_tokens_mask=m) for x, m in inputs]
+        return outs, time.perf_counter() - start
+    features = [
+        [
+            {"input_ids": row, "special_tokens_mask": mask}
+            for row, mask in zip(b.tolist(), m.astype(np.int64).tolist(), strict=True)
+        ]
+        for b, m in zip(batches, special, strict=True)
+    ]
+    start = time.perf_counter()
+    called = [collator(f) for f in features]
+    elapsed = time.perf_counter() - start
+    return [(c["input_ids"], c["labels"]) for c in called], elapsed
+
+
 def _masking(args: argparse.Namespace) -> dict[str, Any]:
     """One masking arm on the same batches; every batch's output is checked (`parity.py`).
 
@@ -207,220 +248,23 @@ def _masking(args: argparse.Namespace) -> dict[str, Any]:
     ROWS features holding `input_ids` and `special_tokens_mask` (pads, stacks, then masks).
     """
     import torch
-    from transformers import DataCollatorForLanguageModeling
-
-    from tasks.examples.objectives.masking import MaskConfig, mask_tokens
-    from tasks.examples.objectives.rng import sample_keys
 
     batches, special, tok = _masking_batches(args)
-    mask_id = tok.mask_token_id
-    outs: list[tuple[Any, Any]] = []
     if args.side == "lmpipe":
-        cfg = MaskConfig(max_predictions_per_seq=LENGTH)  # no cap, as the collator has none
-        random_ids = np.setdiff1d(np.arange(len(tok)), tok.all_special_ids)
-        maskable = ~special
-        start = time.perf_counter()
-        for b, batch in enumerate(batches):
-            keys = sample_keys(0, 0, np.arange(b * ROWS, (b + 1) * ROWS))
-            r = mask_tokens(batch, maskable[b], None, keys, cfg, mask_id, random_ids)
-            outs.append((r.input_ids, r.labels))
-        elapsed = time.perf_counter() - start
+        outs, elapsed = _mask_lmpipe(batches, special, tok)
     else:
         # One thread, as `mask_tokens` runs, and as torch runs in a `DataLoader` worker.
         torch.set_num_threads(1)
         torch.manual_seed(0)
-        collator = DataCollatorForLanguageModeling(
-            tok, mlm=True, mlm_probability=0.15, return_tensors="pt"
-        )
-        if args.side == "collator-masking":  # fresh tensors: it masks them in place
-            inputs = [
-                (torch.from_numpy(b.copy()), torch.from_numpy(m))
-                for b, m in zip(batches, special, strict=True)
-            ]
-            start = time.perf_counter()
-            outs = [collator.torch_mask_tokens(x, special_tokens_mask=m) for x, m in inputs]
-            elapsed = time.perf_counter() - start
-        else:
-            features = [
-                [
-                    {"input_ids": row, "special_tokens_mask": mask}
-                    for row, mask in zip(b.tolist(), m.astype(np.int64).tolist(), strict=True)
-                ]
-                for b, m in zip(batches, special, strict=True)
-            ]
-            start = time.perf_counter()
-            called = [collator(f) for f in features]
-            elapsed = time.perf_counter() - start
-            outs = [(c["input_ids"], c["labels"]) for c in called]
+        outs, elapsed = _mask_collator(args.side, batches, special, tok)
     counts = [
-        masking_counts(batch, spec, np.asarray(new), np.asarray(labels), mask_id)
+        masking_counts(batch, spec, np.asarray(new), np.asarray(labels), tok.mask_token_id)
         for batch, spec, (new, labels) in zip(batches, special, outs, strict=True)
     ]
     rows = batches.shape[0] * ROWS
     return {"elapsed_s": elapsed, "rows": rows, "rows_per_s": rows / elapsed} | masking_summary(
         counts
     )
-
-
-def _docs_stream(args: argparse.Namespace) -> tuple[list[np.ndarray], list[int], int]:
-    """Every document's ids in shard order (train, then validation), shard starts, end id."""
-    manifest = json.loads((Path(args.encode) / "manifest.json").read_text())
-    docs: list[np.ndarray] = []
-    shard_starts = []
-    for split in ("train", "validation"):
-        for shard in manifest["splits"][split]["shards"]:
-            shard_starts.append(len(docs))
-            table = read_ipc_stream(Path(args.encode) / shard["name"], [schema.TOKEN_IDS])
-            flat = pa.compute.list_flatten(table.column(0))  # sentences → one list per doc
-            offsets = np.concatenate(
-                [[0], np.cumsum(pa.compute.list_value_length(table.column(0)).to_numpy())]
-            )
-            lengths = pa.compute.list_value_length(flat).to_numpy()
-            ends = np.concatenate([[0], np.cumsum(lengths)])
-            ids = pa.compute.list_flatten(flat).to_numpy()
-            for d in range(len(offsets) - 1):
-                docs.append(ids[ends[offsets[d]] : ends[offsets[d + 1]]].astype(np.int32))
-    eos = json.loads((Path(args.tokenizer) / "manifest.json").read_text())["special_tokens"][
-        "[SEP]"
-    ]
-    return docs, shard_starts, eos
-
-
-def _group_texts(args: argparse.Namespace) -> dict[str, Any]:
-    """`group_texts` through `datasets.map(batched=True)` on `--procs` processes.
-
-    The documents (end-of-text after each) are saved as a dataset first and loaded
-    memory-mapped, untimed, as a tokenized dataset in a user's cache is; the map reads them
-    there, as lmpipe reads its token shards. With more than one process, `datasets` starts its
-    pool inside `map`, so the time counts that start.
-    """
-    import datasets
-
-    docs, _, eos = _docs_stream(args)
-    stored = args.work / "group-docs"
-    shutil.rmtree(stored, ignore_errors=True)
-    datasets.Dataset.from_dict({"input_ids": [np.append(d, eos) for d in docs]}).save_to_disk(
-        str(stored)
-    )
-    corpus = datasets.load_from_disk(str(stored))
-    cache = args.work / "group-cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    cache.mkdir(parents=True)
-
-    def group_texts(batch: dict[str, list[list[int]]]) -> dict[str, list[list[int]]]:
-        joined = [t for ids in batch["input_ids"] for t in ids]
-        total = len(joined) // LENGTH * LENGTH
-        return {"input_ids": [joined[i : i + LENGTH] for i in range(0, total, LENGTH)]}
-
-    procs = args.procs if args.procs > 1 else None
-    start = time.perf_counter()
-    blocks = corpus.map(
-        group_texts,
-        batched=True,
-        batch_size=GROUP_BATCH,
-        num_proc=procs,
-        cache_file_name=str(cache / "blocks.arrow"),
-        load_from_cache_file=False,
-    )
-    elapsed = time.perf_counter() - start
-    column = blocks.data.column("input_ids").combine_chunks()
-    got = pa.compute.list_flatten(column).to_numpy().reshape(-1, LENGTH)
-    np.save(args.work / f"blocks-group-texts-{args.procs}.npy", got)
-    return {
-        "elapsed_s": elapsed,
-        "procs": args.procs,
-        "examples": len(blocks),
-        "examples_per_s": len(blocks) / elapsed,
-    }
-
-
-def _causal_in_process(args: argparse.Namespace) -> dict[str, Any]:
-    """The causal core alone, in one process: read each token shard, pack, write Arrow."""
-    from tasks.common.io import write_ipc_stream
-    from tasks.examples.cutting import causal_blocks
-    from tasks.examples.documents import encoded_docs
-    from tasks.examples.examples import fixed
-
-    manifest = json.loads((Path(args.encode) / "manifest.json").read_text())
-    eos = json.loads((Path(args.tokenizer) / "manifest.json").read_text())["special_tokens"][
-        "[SEP]"
-    ]
-    out = args.work / "causal-in-process"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    kept = []
-    first = manifest["splits"]["train"]["shards"][0]["name"]  # warm-up: one-time imports
-    encoded_docs(read_ipc_stream(Path(args.encode) / first, [schema.TOKEN_IDS]).slice(0, 8))
-    start = time.perf_counter()
-    for split in ("train", "validation"):
-        for shard in manifest["splits"][split]["shards"]:
-            table = read_ipc_stream(Path(args.encode) / shard["name"], [schema.TOKEN_IDS])
-            blocks, starts, _ = causal_blocks(encoded_docs(table), LENGTH, eos)
-            packed = pa.table(
-                {
-                    schema.INPUT_IDS: fixed(blocks, pa.uint16()),
-                    schema.DOC_STARTS: starts,
-                }
-            )
-            write_ipc_stream(packed, out / shard["name"])
-            kept.append(blocks)
-    elapsed = time.perf_counter() - start
-    got = np.concatenate(kept)
-    np.save(args.work / "blocks-causal-in-process.npy", got)
-    return {
-        "elapsed_s": elapsed,
-        "examples": len(got),
-        "examples_per_s": len(got) / elapsed,
-    }
-
-
-def _stage_blocks(out: Path) -> np.ndarray:
-    """Every block an examples stage wrote (train, then validation), as (B, LENGTH)."""
-    manifest = json.loads((out / "manifest.json").read_text())
-    parts = [
-        read_ipc_stream(out / s["name"], [schema.INPUT_IDS]).column(0).combine_chunks()
-        for split in ("train", "validation")
-        for s in manifest["splits"][split]["shards"]
-    ]
-    return np.concatenate(
-        [pa.compute.list_flatten(p).to_numpy().reshape(-1, LENGTH) for p in parts]
-    )
-
-
-def _causal_parity(args: argparse.Namespace, procs: list[int]) -> dict[str, Any]:
-    """Check that lmpipe and `group_texts` cut the same token stream into the same blocks.
-
-    Both join the documents, each followed by end-of-text, and cut full blocks; lmpipe starts
-    afresh at each token shard, `group_texts` at each batch of `GROUP_BATCH` documents of each
-    `datasets` process, and each drops its runs' tails. Each arm's blocks must equal that
-    stream's blocks with its own restarts, exactly, and the stage's the core's, in any order.
-
-    Raises:
-        ParityError: an arm's blocks differ.
-    """
-    docs, shard_starts, eos = _docs_stream(args)
-    lengths = np.array([len(d) + 1 for d in docs], np.int64)
-    stream = np.concatenate([np.append(d, eos) for d in docs])
-    core = np.load(args.work / "blocks-causal-in-process.npy")
-    want = expected_blocks(lengths, stream, np.array(shard_starts, np.int64), LENGTH)
-    require_equal_blocks("lmpipe's causal core", core, want)
-    report: dict[str, Any] = {"lmpipe_blocks": len(core)}
-    for n in procs:
-        div, mod = divmod(len(docs), n)  # datasets' contiguous shards, one per process
-        firsts = [div * r + min(r, mod) for r in range(n)] + [len(docs)]
-        restarts = np.concatenate(
-            [np.arange(a, b, GROUP_BATCH) for a, b in itertools.pairwise(firsts)]
-        )
-        got = np.load(args.work / f"blocks-group-texts-{n}.npy")
-        require_equal_blocks(
-            f"group_texts on {n}", got, expected_blocks(lengths, stream, restarts, LENGTH)
-        )
-        report[f"group_texts_{n}_blocks"] = len(got)
-    stage = np.load(args.work / "blocks-stage.npy")
-    if not same_rows(stage, core):
-        raise ParityError("the causal stage's blocks differ from its core's")
-    report["stage_blocks"] = len(stage)
-    return report
 
 
 # Each tokenizer family's encoding and the objectives cut from it (T5 spans need sentinels).
@@ -430,13 +274,13 @@ FAMILY_OBJECTIVES = {
 }
 
 PHASES = {
-    "causal-in-process": _causal_in_process,
+    "causal-in-process": causal_in_process,
     "setup": _stage_setup,
     "stage": _examples_stage,
     "stage-warm": lambda args: _examples_stage(args, warm=True),
     "stage-with-ray-start": lambda args: _examples_stage(args, with_ray_start=True),
     "masking": _masking,
-    "group-texts": _group_texts,
+    "group-texts": group_texts,
 }
 
 
@@ -448,16 +292,8 @@ def _rounds(
     Interleaving puts the compared arms under the same background load; every run's time is
     kept beside the median one's figures.
     """
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in arms}
-    for _ in range(args.repeat):
-        for name, (phase, extra) in arms.items():
-            runs[name].append(run_phase(phase, args, __file__, **extra))
-    kept = {}
-    for name, group in runs.items():
-        median = dict(sorted(group, key=lambda r: r["elapsed_s"])[len(group) // 2])
-        median["all_elapsed_s"] = [round(r["elapsed_s"], 4) for r in group]
-        kept[name] = median
-    return kept
+    runs = phase_rounds(args, __file__, arms.values())
+    return {name: median_run(group) for name, group in zip(arms, runs, strict=True)}
 
 
 def _compare_masking(args: argparse.Namespace, where: dict[str, str]) -> dict[str, Any]:
@@ -485,7 +321,7 @@ def _compare_causal(args: argparse.Namespace, where: dict[str, str]) -> dict[str
             "group_texts_1": ("group-texts", {"procs": 1, **where}),
         },
     )
-    arms["parity"] = _causal_parity(argparse.Namespace(**(vars(args) | where)), [1, CORES])
+    arms["parity"] = causal_parity(argparse.Namespace(**(vars(args) | where)), [1, CORES])
     print("causal parity:", json.dumps(arms["parity"]))
     pairs = {"stage": f"group_texts_{CORES}", "in_process": "group_texts_1"}
     for lm, base in pairs.items():
@@ -517,10 +353,10 @@ def _all_stages(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    """Command line: the whole benchmark, or one `--phase` of it (in its own process)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mb", type=int, default=110)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--work", type=Path, default=Path("bench/results/tokenizer_work"))
+    add_folder_args(parser)
     parser.add_argument("--only", default="stages,masking,causal", help="comma-separated parts")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved rounds; median kept")
     parser.add_argument("--phase", choices=sorted(PHASES))
@@ -533,9 +369,7 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=CORES)
     parser.add_argument("--vocab", type=int, default=30_000)  # run_phase passes it
     args = parser.parse_args()
-    args.work = args.work.resolve()
-    if args.phase:
-        print(json.dumps(PHASES[args.phase](args), default=str), flush=True)
+    if phase_entry(args, PHASES):
         return
     only = set(args.only.split(","))
     results: dict[str, Any] = {"cpus": CORES, "load_average_at_start": os.getloadavg()}
@@ -544,8 +378,6 @@ def main() -> None:
     corpus = write_corpus(args.work / f"corpus-{args.mb}.jsonl", args.mb)
     setup = run_phase("setup", args, __file__, corpus=corpus, family="wordpiece")  # reused
     where = {"encode": setup["encode"], "tokenizer": setup["tokenizer"]}
-    out = args.out / "examples_throughput.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         if "masking" in only:
             results["masking"] = _compare_masking(args, where)
@@ -553,7 +385,7 @@ def main() -> None:
             results["causal"] = _compare_causal(args, where)
     finally:
         results["load_average_at_end"] = os.getloadavg()
-        out.write_text(json.dumps(results, indent=2, default=str))
+        write_json(args.out / "examples_throughput.json", results, indent=2, default=str)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Usage: python bench/tokenizer_encode.py [--mb 110] [--vocab 30000] [--out bench/
 
 Builds a JSON-Lines corpus of at least --mb MiB from the real texts in ../shared/data (random
 windows of consecutive sentences of the Gutenberg books, Tiny Shakespeare and the IMDB
-reviews), ingests it once, then measures, on the same documents:
+reviews; bench/corpus.py), ingests it once, then measures, on the same documents:
 
 (a) encoding, tokens/s: the whole `encode` stage (read shards, encode, write token shards, on
     a local Ray with one worker per core) against `Tokenizer.encode_batch_fast` alone on the
@@ -28,22 +28,19 @@ reviews), ingests it once, then measures, on the same documents:
 lmpipe's Unigram is sentencepiece's trainer plus a conversion, so its time against
 sentencepiece alone is the conversion's overhead, not a speed-up; the independent comparison is
 against the `tokenizers` Unigram trainer.
+
+Each phase runs as `--phase NAME` in a subprocess of its own (bench/harness.py, `run_phase`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
 import itertools
 import json
 import os
 import platform
-import random
 import shutil
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,143 +49,27 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED = ROOT.parent / "shared" / "data"
+sys.path.insert(0, str(ROOT / "bench"))  # the shared modules, when loaded from elsewhere
 
 import numpy as np  # noqa: E402 - after the environment and sys.path set-up above
-import psutil  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
+from corpus import documents, jsonl_ingest_config, segments_of, write_corpus  # noqa: E402
+from harness import (  # noqa: E402
+    CORES,
+    add_folder_args,
+    fastest,
+    memory_gib,
+    phase_entry,
+    phase_rounds,
+    run_phase,
+    write_json,
+)
 from parity import ParityError, differing_segments, save_ids  # noqa: E402
 
 from tasks.common import schema  # noqa: E402
 from tasks.common.io import read_ipc_stream  # noqa: E402
 from tasks.common.stage import shards_of  # noqa: E402
-from tasks.encode.encode import sentence_segments  # noqa: E402
-from tasks.ingest.text import SentenceConfig, split_sentences  # noqa: E402
-
-CORES = os.cpu_count() or 1
-
-
-def real_sentences() -> list[list[str]]:
-    """Sentences of each real text in ../shared/data, one list per source document."""
-    texts = []
-    for book in sorted((SHARED / "gutenberg_books").glob("*.txt")):
-        raw = book.read_text(encoding="utf-8-sig").replace("\r\n", "\n")
-        texts.append(" ".join(raw.split()))
-    texts.append(" ".join((SHARED / "tiny_shakespeare" / "input.txt").read_text().split()))
-    with open(SHARED / "imdb_sample" / "texts.csv", newline="", encoding="utf-8") as handle:
-        texts += [row["text"] for row in csv.DictReader(handle)]
-    column = split_sentences(pa.array(texts, pa.large_string()), SentenceConfig())
-    return [s for s in column.to_pylist() if s]
-
-
-def pseudo_words(count: int, rng: random.Random) -> list[str]:
-    """`count` distinct pronounceable pseudo-words of 1-4 syllables."""
-    onsets = [
-        "",
-        "b",
-        "br",
-        "c",
-        "ch",
-        "d",
-        "f",
-        "g",
-        "gr",
-        "h",
-        "k",
-        "l",
-        "m",
-        "n",
-        "p",
-        "pr",
-        "qu",
-        "r",
-        "s",
-        "sh",
-        "st",
-        "t",
-        "th",
-        "tr",
-        "v",
-        "w",
-        "z",
-    ]
-    vowels = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "y"]
-    codas = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ck"]
-    words: set[str] = set()
-    while len(words) < count:
-        syllables = rng.choice((1, 2, 2, 3, 3, 4))
-        words.add(
-            "".join(
-                rng.choice(onsets) + rng.choice(vowels) + rng.choice(codas)
-                for _ in range(syllables)
-            )
-        )
-    return sorted(words)
-
-
-def write_corpus(path: Path, mib: int, seed: int = 0) -> Path:
-    """Write documents of 4-40 real sentences until `mib` MiB, a fifth of their words swapped.
-
-    The sentences come from the real texts, drawn at random (not as windows of consecutive
-    ones, which repeat long passages and make suffix-array trainers like sentencepiece far
-    slower than real text does). One word in five is replaced by a pseudo-word drawn from a
-    Zipf law over a 2-million-word lexicon, so the vocabulary keeps growing with the corpus as
-    real text does (Heaps' law) instead of stopping at the few megabytes of real text.
-    """
-    if path.exists() and path.stat().st_size >= mib << 20:
-        return path
-    rng = random.Random(seed)
-    pool = [sentence.split(" ") for source in real_sentences() for sentence in source]
-    lexicon = pseudo_words(2_000_000, rng)
-    np_rng = np.random.default_rng(seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    written = 0
-    with open(path, "w", encoding="utf-8") as handle:
-        while written < mib << 20:
-            lines = []
-            for _ in range(1000):
-                words = [w for s in rng.choices(pool, k=rng.randint(4, 40)) for w in s]
-                swap = np.flatnonzero(np_rng.random(len(words)) < 0.2)
-                picks = (np_rng.zipf(1.2, len(swap)) - 1) % len(lexicon)
-                for i, pick in zip(swap, picks, strict=True):
-                    words[i] = lexicon[pick]
-                lines.append(json.dumps({"text": " ".join(words)}))
-            block = "\n".join(lines) + "\n"
-            handle.write(block)
-            written += len(block.encode())
-    return path
-
-
-def documents(ingest: Path, split: str | None) -> list[str]:
-    """The ingested texts of one split (or all), in shard order, as a Python list."""
-    manifest = json.loads((ingest / "manifest.json").read_text())
-    texts: list[str] = []
-    for _, shard in shards_of(manifest, split):
-        texts += read_ipc_stream(ingest / shard["name"], [schema.TEXT]).column(0).to_pylist()
-    return texts
-
-
-def segments_of(ingest: Path) -> tuple[list[str], list[str], np.ndarray]:
-    """Every document's id and sentence segments as the encode stage cuts them, in shard order.
-
-    Returns the document ids, the segments of all documents in order, and each document's
-    segment count; the segments of a document join back to its text exactly.
-    """
-    manifest = json.loads((ingest / "manifest.json").read_text())
-    doc_ids: list[str] = []
-    segments: list[str] = []
-    counts = []
-    for _, shard in shards_of(manifest):
-        columns = [schema.DOC_ID, schema.TEXT, schema.SENTENCES]
-        table = read_ipc_stream(ingest / shard["name"], columns)
-        ids = table.column(schema.DOC_ID).to_pylist()
-        texts = table.column(schema.TEXT).to_pylist()
-        segs, count = sentence_segments(ids, texts, table.column(schema.SENTENCES).to_pylist())
-        doc_ids += ids
-        segments += segs
-        counts.append(count)
-    return doc_ids, segments, np.concatenate(counts)
 
 
 def ids_file(args: argparse.Namespace, arm: str) -> Path:
@@ -213,6 +94,7 @@ def save_stage_ids(args: argparse.Namespace, encode_dir: Path, arm: str) -> None
 
 
 def tokenizer_config(family: str, vocab: int, trainer: str = "sentencepiece") -> Any:
+    """Build the tokenizer config of a family (`unigram-*`: Unigram with another trainer)."""
     from tasks.tokenizer.tokenizer import TokenizerConfig
 
     return TokenizerConfig(
@@ -227,17 +109,11 @@ def tokenizer_config(family: str, vocab: int, trainer: str = "sentencepiece") ->
 
 
 def phase_ingest(args: argparse.Namespace) -> dict[str, Any]:
+    """Ingest the corpus once: the documents every later phase reads."""
     from tasks.common.ray_runtime import RayConfig
-    from tasks.ingest.ingest import IngestConfig
-    from tasks.ingest.sources import SourceConfig
     from tasks.ingest.stage import run_ingest
 
-    cfg = IngestConfig(
-        sources=[SourceConfig(path=str(args.corpus), format="jsonl")],
-        dedup={"near": {"enabled": False}},  # type: ignore[arg-type]
-        shard_size_mb=64,
-        unit_size_mb=32,
-    )
+    cfg = jsonl_ingest_config(args.corpus)
     start = time.perf_counter()
     result = run_ingest(cfg, RayConfig(num_workers=CORES), args.work / "ws")
     counts = result.manifest["counts"]
@@ -250,6 +126,7 @@ def phase_ingest(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_train_stage(args: argparse.Namespace) -> dict[str, Any]:
+    """Time the `tokenizer` stage (a build, never a cache hit) on the ingested train split."""
     from tasks.tokenizer.stage import run_tokenizer
 
     cfg = tokenizer_config(args.family, args.vocab)
@@ -268,6 +145,7 @@ def phase_train_stage(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_train_direct(args: argparse.Namespace) -> dict[str, Any]:
+    """Time the trainer called directly on the train split's documents in a Python list."""
     from tasks.tokenizer.tokenizer import train_sentencepiece, train_tokenizer
 
     start = time.perf_counter()
@@ -292,6 +170,7 @@ def phase_train_direct(args: argparse.Namespace) -> dict[str, Any]:
 def phase_encode_stage(
     args: argparse.Namespace, fast_ascii: bool = True, arm: str = "encode-stage"
 ) -> dict[str, Any]:
+    """Time the whole `encode` stage on a local Ray (its start timed apart); save its ids."""
     import ray
 
     from tasks.common.ray_runtime import RayConfig, ensure_ray
@@ -447,41 +326,6 @@ PHASES = {
 # ---- the orchestrator ---------------------------------------------------------------------
 
 
-def run_phase(
-    name: str, args: argparse.Namespace, script: str = __file__, **extra: Any
-) -> dict[str, Any]:
-    """Run one phase of `script` in a fresh process; return its JSON line and peak RSS."""
-    argv = [sys.executable, script, "--phase", name, "--work", str(args.work)]
-    argv += ["--vocab", str(args.vocab)]
-    for key, value in extra.items():
-        argv += [f"--{key}", str(value)]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    peak = 0
-    root = psutil.Process(process.pid)
-
-    def sample() -> None:
-        nonlocal peak
-        while process.poll() is None:
-            total = 0
-            with contextlib.suppress(psutil.Error):
-                for proc in [root, *root.children(recursive=True)]:
-                    with contextlib.suppress(psutil.Error):
-                        total += proc.memory_info().rss
-            peak = max(peak, total)
-            time.sleep(0.1)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    out, _ = process.communicate()
-    sampler.join()
-    if process.returncode != 0:
-        raise SystemExit(f"phase {name} {extra} failed with exit code {process.returncode}")
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    result |= {"phase": name, **extra, "peak_rss_mib": round(peak / 2**20)}
-    print(json.dumps(result, default=str), flush=True)
-    return result
-
-
 def best_of(
     args: argparse.Namespace, phases: list[tuple[str, dict[str, Any]]]
 ) -> list[dict[str, Any]]:
@@ -490,17 +334,7 @@ def best_of(
     Interleaving puts the compared runs under the same background load; every run's time and
     the highest peak memory are kept beside the fastest run's figures.
     """
-    runs: list[list[dict[str, Any]]] = [[] for _ in phases]
-    for _ in range(args.repeat):
-        for slot, (name, extra) in enumerate(phases):
-            runs[slot].append(run_phase(name, args, **extra))
-    best = []
-    for group in runs:
-        fastest = dict(min(group, key=lambda r: r["elapsed_s"]))
-        fastest["all_elapsed_s"] = [round(r["elapsed_s"], 2) for r in group]
-        fastest["peak_rss_mib"] = max(r["peak_rss_mib"] for r in group)
-        best.append(fastest)
-    return best
+    return [fastest(runs) for runs in phase_rounds(args, __file__, phases)]
 
 
 ENCODE_PHASES = ["encode-stage", "encode-stage-tokenizers", "encode-floor", "encode-datasets"]
@@ -530,27 +364,73 @@ def measure_encode(args: argparse.Namespace, ingest: str, tokenizer: str) -> dic
     return enc
 
 
+def measure_training(args: argparse.Namespace, ingest: str) -> tuple[list[dict[str, Any]], str]:
+    """(b): each family's stage against its direct call, then the two Unigram trainers alone.
+
+    Returns the rows and the byte-level BPE tokenizer the stage trained (for (a)).
+    """
+    training: list[dict[str, Any]] = []
+    bpe_dir = ""
+    for family in ("wordpiece", "bpe", "unigram"):
+        where = {"ingest": ingest, "family": family}
+        stage, direct = best_of(args, [("train-stage", where), ("train-direct", where)])
+        training.append({"family": family, "stage": stage, "direct": direct})
+        if family == "bpe":
+            bpe_dir = stage["path"]
+    spm, tokenizers_unigram = best_of(
+        args,
+        [
+            ("train-direct", {"ingest": ingest, "family": "unigram-sentencepiece-only"}),
+            ("train-direct", {"ingest": ingest, "family": "unigram-tokenizers"}),
+        ],
+    )
+    training.append({"family": "unigram-sentencepiece-only", "direct": spm})
+    training.append({"family": "unigram-tokenizers", "direct": tokenizers_unigram})
+    return training, bpe_dir
+
+
+def print_training(training: list[dict[str, Any]]) -> None:
+    """Print each family's stage/direct ratio and how the Unigram trainers compare."""
+    for row in training:
+        if "stage" in row:
+            ratio = row["stage"]["elapsed_s"] / row["direct"]["elapsed_s"]
+            print(f"train {row['family']}: stage/direct {ratio:.3f}")
+    direct = {row["family"]: row["direct"]["elapsed_s"] for row in training}
+    tokenizers_unigram = direct["unigram-tokenizers"]
+    ratio = tokenizers_unigram / direct["unigram-sentencepiece-only"]
+    print(f"unigram: tokenizers trainer / sentencepiece {ratio:.2f}")
+    print(
+        f"unigram: tokenizers trainer / lmpipe (sentencepiece + conversion) "
+        f"{tokenizers_unigram / direct['unigram']:.2f}"
+    )
+
+
 def write_results(args: argparse.Namespace, results: dict[str, Any]) -> None:
-    out = args.out / "tokenizer_encode.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=str))
+    """Write the results to OUT/tokenizer_encode.json."""
+    write_json(args.out / "tokenizer_encode.json", results, indent=2, default=str)
 
 
-def orchestrate(args: argparse.Namespace) -> None:
-    corpus = write_corpus(args.work / f"corpus-{args.mb}.jsonl", args.mb)
-    machine = {
+def describe_machine(corpus: Path) -> dict[str, Any]:
+    """Return the cores, memory and Python of the machine, the corpus's size, the load."""
+    return {
         "cpus": CORES,
-        "mem_gib": round(psutil.virtual_memory().total / 2**30),
+        "mem_gib": memory_gib(),
         "python": platform.python_version(),
         "corpus_mib": round(corpus.stat().st_size / 2**20, 1),
         "load_average_at_start": os.getloadavg(),
     }
+
+
+def orchestrate(args: argparse.Namespace) -> None:
+    """Build and ingest the corpus, then measure what `--only` names (all by default)."""
+    corpus = write_corpus(args.work / f"corpus-{args.mb}.jsonl", args.mb)
+    machine = describe_machine(corpus)
     results: dict[str, Any] = {"machine": machine, "vocab": args.vocab, "repeat": args.repeat}
-    ingest = run_phase("ingest", args, corpus=corpus)
+    ingest = run_phase("ingest", args, __file__, corpus=corpus)
     results["ingest"] = ingest
     if args.only == "encode":
         where = {"ingest": ingest["path"], "family": "bpe"}
-        bpe_dir = run_phase("train-stage", args, **where)["path"]
+        bpe_dir = run_phase("train-stage", args, __file__, **where)["path"]
         results["encode"] = measure_encode(args, ingest["path"], bpe_dir)
         write_results(args, results)
         return
@@ -561,46 +441,20 @@ def orchestrate(args: argparse.Namespace) -> None:
         write_results(args, results)
         print(f"train unigram: stage/direct {stage['elapsed_s'] / direct['elapsed_s']:.3f}")
         return
-    training: list[dict[str, Any]] = []
-    bpe_dir = ""
-    for family in ("wordpiece", "bpe", "unigram"):
-        where = {"ingest": ingest["path"], "family": family}
-        stage, direct = best_of(args, [("train-stage", where), ("train-direct", where)])
-        training.append({"family": family, "stage": stage, "direct": direct})
-        if family == "bpe":
-            bpe_dir = stage["path"]
-    spm, tokenizers_unigram = best_of(
-        args,
-        [
-            ("train-direct", {"ingest": ingest["path"], "family": "unigram-sentencepiece-only"}),
-            ("train-direct", {"ingest": ingest["path"], "family": "unigram-tokenizers"}),
-        ],
-    )
-    training.append({"family": "unigram-sentencepiece-only", "direct": spm})
-    training.append({"family": "unigram-tokenizers", "direct": tokenizers_unigram})
+    training, bpe_dir = measure_training(args, ingest["path"])
     results["training"] = training
     results["encode"] = measure_encode(args, ingest["path"], bpe_dir)
     write_results(args, results)
-    for row in training:
-        if "stage" in row:
-            ratio = row["stage"]["elapsed_s"] / row["direct"]["elapsed_s"]
-            print(f"train {row['family']}: stage/direct {ratio:.3f}")
-    ratio = tokenizers_unigram["elapsed_s"] / spm["elapsed_s"]
-    print(f"unigram: tokenizers trainer / sentencepiece {ratio:.2f}")
-    lmpipe = next(r for r in training if r["family"] == "unigram")["direct"]["elapsed_s"]
-    print(
-        f"unigram: tokenizers trainer / lmpipe (sentencepiece + conversion) "
-        f"{tokenizers_unigram['elapsed_s'] / lmpipe:.2f}"
-    )
+    print_training(training)
 
 
 def main() -> None:
+    """Command line: the whole benchmark, or one `--phase` of it (in its own process)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mb", type=int, default=110)
     parser.add_argument("--vocab", type=int, default=30_000)
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs; fastest kept")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--work", type=Path, default=Path("bench/results/tokenizer_work"))
+    add_folder_args(parser)
     parser.add_argument("--phase", choices=sorted(PHASES))
     parser.add_argument(
         "--only", choices=["encode", "unigram"], help="measure only (a), or only Unigram's (b)"
@@ -610,10 +464,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path)
     parser.add_argument("--family")
     args = parser.parse_args()
-    args.work = args.work.resolve()
-    if args.phase:
-        print(json.dumps(PHASES[args.phase](args), default=str), flush=True)
-    else:
+    if not phase_entry(args, PHASES):
         orchestrate(args)
 
 
