@@ -2,7 +2,7 @@
 
 - `heldout_metrics`: perplexity / masked-LM accuracy / NSP accuracy on the examples' validation
   (or test) split, through the same batch builder and loss as pretraining
-  (`training/pretrain/data.py`, `training/pretrain/losses.py`), so the numbers are comparable with
+  (`training/pretrain/data.py`, `training/pretrain/losses/`), so the numbers are comparable with
   the training curve.
 - `fill_mask_probes`: the top-k fillers of `[MASK]` in sentences such as "The [MASK] sat on
   the mat." (the placeholder becomes the tokenizer's own mask token).

@@ -3,7 +3,7 @@
 The teacher is a local Hugging Face BERT directory (an lmpipe export or any BERT with a masked
 LM head, safetensors only) or a registered model version. The student is a `DistilBertForMaskedLM`
 of the teacher's width with half its layers, initialised from every other teacher layer
-(Sanh et al. 2019). The loss (training/pretrain/encoder_losses.py) is `alpha_kd` ·
+(Sanh et al. 2019). The loss (training/pretrain/losses/encoder.py) is `alpha_kd` ·
 KL(teacher ‖ student) at temperature T, scaled by T², over the masked positions, plus
 `alpha_mlm` · the student's MLM loss, plus `alpha_cos` · (1 - cosine) between the last hidden
 states of every real token.
@@ -59,7 +59,7 @@ class DistillationModel(nn.Module):
         return teacher
 
     def forward(self, **batch: torch.Tensor) -> torch.Tensor:  # pragma: no cover
-        """Not used: training/pretrain/encoder_losses.py runs teacher and student step by step."""
+        """Not used: training/pretrain/losses/encoder.py runs teacher and student step by step."""
         raise NotImplementedError("use training.pretrain.losses.pretraining_loss")
 
 

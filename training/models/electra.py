@@ -4,7 +4,7 @@
 position and type embeddings and their LayerNorm), as in Clark et al. 2020. The generator fills
 the masked positions by sampling from its own MLM distribution; the discriminator labels every
 real token as original or replaced. Only the discriminator is exported (`ElectraForPreTraining`);
-the generator is a training device. The loss itself is in training/pretrain/encoder_losses.py.
+the generator is a training device. The loss itself is in training/pretrain/losses/encoder.py.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ElectraPretrainer(nn.Module):
         self.config = disc_config
 
     def forward(self, **batch: Tensor) -> Tensor:  # pragma: no cover - losses call the parts
-        """Not used: training/pretrain/encoder_losses.py steps generator and discriminator."""
+        """Not used: training/pretrain/losses/encoder.py steps generator and discriminator."""
         raise NotImplementedError("use training.pretrain.losses.pretraining_loss")
 
 

@@ -4,7 +4,7 @@ Every model we pretrain is a stock `transformers` class built from a config, so 
 reloads with `from_pretrained` (see `auto_class`). This module maps a family and a named size
 to that config, fills in the tokenizer's special ids and checks that the examples fit the model.
 It holds no training logic and never imports Ray, DeepSpeed or MLflow; the loss lives in
-`training/pretrain/losses.py`. Sizes and the published-count check are documented in docs/models.md.
+`training/pretrain/losses/`. Sizes and the published-count check are documented in docs/models.md.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from training.pretrain.data import (
     sequence_length,
 )
 from training.pretrain.job import WorkerJob
-from training.pretrain.loss_common import StepOutput
 from training.pretrain.losses import exported_model, varying_masked_positions
+from training.pretrain.losses.common import StepOutput
 from training.pretrain.pretraining_model import build_pretraining_model, zero3_leaf_modules
 from training.pretrain.telemetry import Telemetry
 from training.runtime import checkpoint as ckpt

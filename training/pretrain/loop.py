@@ -33,8 +33,8 @@ from training.pretrain.build import (
 from training.pretrain.data import EVAL_EPOCH, Cursor, rank_micro_batches
 from training.pretrain.job import WorkerJob
 from training.pretrain.length_schedule import check_length_schedule, length_at
-from training.pretrain.loss_common import StepOutput
 from training.pretrain.losses import export_loss, pretraining_loss
+from training.pretrain.losses.common import StepOutput
 from training.pretrain.prefetch import Prefetcher, StepPlan
 from training.pretrain.telemetry import StepMeter
 from training.runtime import checkpoint as ckpt

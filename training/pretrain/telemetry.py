@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from tasks.common import schema
-from training.pretrain.loss_common import StepOutput
 from training.pretrain.losses import eval_metrics
+from training.pretrain.losses.common import StepOutput
 from training.runtime.precision import X86_MACHINES, assume_no_native_bf16, cpu_has_native_bf16
 from training.tracking.runs import NullTracker, Tracker
 

@@ -24,8 +24,8 @@ from training.models.electra import ElectraPretrainer, corrupt
 from training.models.export import DataRef, ModelCard, TokenizerRef, export_model, load_export
 from training.models.models import FAMILIES, OBJECTIVES, Family
 from training.pretrain.config import TrainConfig
-from training.pretrain.decoder_losses import causal_logits
 from training.pretrain.losses import export_loss, exported_model, pretraining_loss
+from training.pretrain.losses.decoder import causal_logits
 from training.pretrain.packing import causal_document_mask
 from training.pretrain.pretraining_model import build_pretraining_model, zero3_leaf_modules
 

@@ -20,9 +20,9 @@ from training.models.config import CAUSAL_ATTENTION_DROPOUT, DocumentAttention, 
 from training.models.models import FAMILIES, Family, ModelConfig, build_model
 from training.pretrain.config import TrainConfig
 from training.pretrain.data import DOCUMENT_IDS, BatchBuilder
-from training.pretrain.decoder_losses import causal_logits
-from training.pretrain.loss_common import POSITION_IDS
 from training.pretrain.losses import pretraining_loss
+from training.pretrain.losses.common import POSITION_IDS
+from training.pretrain.losses.decoder import causal_logits
 from training.pretrain.packing import document_ids, document_positions
 
 # On a CPU FlexAttention runs uncompiled on purpose (see the module docstring).

@@ -11,9 +11,9 @@ from training.models.flops import flops_per_token
 from training.models.models import Family, ModelConfig, build_model, model_config_for
 from training.models.vocab import mask_padded_vocab, unpad_vocab
 from training.pretrain.data import MASKED_POSITIONS
-from training.pretrain.decoder_losses import causal_logits
-from training.pretrain.loss_common import ATTENTION_MASK, POSITION_IDS
 from training.pretrain.losses import eval_metrics, pretraining_loss
+from training.pretrain.losses.common import ATTENTION_MASK, POSITION_IDS
+from training.pretrain.losses.decoder import causal_logits
 from training.pretrain.packing import causal_document_mask, document_ids, document_positions
 
 VOCAB = 512

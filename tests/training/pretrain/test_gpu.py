@@ -28,8 +28,8 @@ from training.models.models import OBJECTIVES, Family
 from training.models.vocab import unpad_vocab
 from training.pretrain.config import TrainConfig, deepspeed_config
 from training.pretrain.data import EVAL_EPOCH
-from training.pretrain.loss_common import ATTENTION_MASK
 from training.pretrain.losses import exported_model, pretraining_loss
+from training.pretrain.losses.common import ATTENTION_MASK
 from training.pretrain.pretraining_model import build_pretraining_model
 from training.runtime.deepspeed import param_groups
 from training.runtime.engine import autocast_for

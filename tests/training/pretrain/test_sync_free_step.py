@@ -18,7 +18,7 @@ from host_reads import count_host_reads
 
 from training.pretrain import loop
 from training.pretrain.config import TrainConfig
-from training.pretrain.loss_common import StepOutput
+from training.pretrain.losses.common import StepOutput
 from training.runtime.guard import TrainingDivergedError
 from training.runtime.precision import cpu_has_native_bf16
 from training.runtime.worker_context import LocalContext

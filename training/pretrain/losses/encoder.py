@@ -21,7 +21,7 @@ from training.models.electra import ElectraPretrainer, corrupt
 from training.models.models import family_of, is_a
 from training.models.vocab import mask_padded_vocab
 from training.pretrain.data import MASKED_POSITIONS
-from training.pretrain.loss_common import (
+from training.pretrain.losses.common import (
     ATTENTION_MASK,
     IGNORE_INDEX,
     StepOutput,

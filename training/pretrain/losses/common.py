@@ -2,7 +2,7 @@
 
 A batch is a dict of int64 tensors keyed by the example stage's column names (`tasks.common.schema`)
 plus `attention_mask`, and for document-masked causal blocks `position_ids` and `document_ids`.
-The losses themselves are `training.pretrain.encoder_losses` and `training.pretrain.decoder_losses`;
+The losses themselves are `training.pretrain.losses.encoder` and `training.pretrain.losses.decoder`;
 `training.pretrain.losses` picks one per objective.
 """
 

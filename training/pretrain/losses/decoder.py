@@ -21,7 +21,7 @@ from tasks.common import schema
 from training.models.attention import uses_document_flex
 from training.models.vocab import mask_padded_vocab
 from training.pretrain.data import DOCUMENT_IDS
-from training.pretrain.loss_common import (
+from training.pretrain.losses.common import (
     ATTENTION_MASK,
     IGNORE_INDEX,
     POSITION_IDS,

@@ -1,9 +1,9 @@
 """The pretraining forward pass of each objective, the exported model's loss, and eval metrics.
 
-`pretraining_loss` picks the objective's loss: the encoder ones (`training.pretrain.encoder_losses`:
+`pretraining_loss` picks the objective's loss: the encoder ones (`training.pretrain.losses.encoder`:
 masked LM, sentence pairs, ELECTRA, distillation) or the decoder ones
-(`training.pretrain.decoder_losses`: causal LM, seq2seq); what they share, batch keys and the
-`StepOutput` included, is `training.pretrain.loss_common`. No optimiser, data loading or
+(`training.pretrain.losses.decoder`: causal LM, seq2seq); what they share, batch keys and the
+`StepOutput` included, is `training.pretrain.losses.common`. No optimiser, data loading or
 tracking lives here. Definitions are in docs/models.md.
 """
 
@@ -22,8 +22,9 @@ from training.models.distill import DistillationModel
 from training.models.electra import ElectraPretrainer
 from training.models.models import SEQ2SEQ_OBJECTIVES, is_a
 from training.pretrain.data import MASKED_POSITIONS
-from training.pretrain.decoder_losses import causal_loss, seq2seq_loss
-from training.pretrain.encoder_losses import (
+from training.pretrain.losses.common import IGNORE_INDEX, StepOutput, require
+from training.pretrain.losses.decoder import causal_loss, seq2seq_loss
+from training.pretrain.losses.encoder import (
     PAIR_LABELS,
     PAIR_NAMES,
     distill_loss,
@@ -32,7 +33,6 @@ from training.pretrain.encoder_losses import (
     pair_loss,
     rtd_loss,
 )
-from training.pretrain.loss_common import IGNORE_INDEX, StepOutput, require
 
 # Token-level losses: (part name, key of its token count). Pair losses count in "pair_total".
 # The first present one is the perplexity's.
