@@ -178,7 +178,8 @@ def build_step(cfg: TrainConfig, model: torch.nn.Module, ctx: WorkerContext) -> 
 def train_loss(forward: LossFn, cfg: TrainConfig, engine: Any) -> LossFn:
     """The loss the step calls: `forward`, or compiled when `train.compile` asks.
 
-    Evaluation calls the eager loss: the compiled graph is specialised to training batches.
+    Evaluation and the reference loss call `pretraining_loss` and `export_loss` themselves,
+    uncompiled, as they did before.
     """
     if cfg.compile and cfg.compile_scope == "model_and_loss" and cfg.zero_stage < 3:
         # One graph from the ids to the loss: the padded-vocabulary masking, the float cast

@@ -73,7 +73,7 @@ class Worker:
         self.schedule, self.guard = step.schedule, step.guard
         self.telemetry, self.progress = parts.telemetry, parts.progress
         self.hooks = hooks if hooks is not None else faults.fault_hooks(job.fault, ctx.rank)
-        # The step's loss (compiled when asked); evaluation calls `pretraining_loss` eagerly.
+        # The step's loss (compiled when asked); evaluation calls `pretraining_loss` uncompiled.
         self.train_loss = train_loss(self._forward, self.cfg, self.engine)
         self.step, self.cursor, self.tokens_seen = 0, Cursor(), 0
         self.batches = Prefetcher(self._plan, parts.prefetch)
