@@ -148,9 +148,8 @@ def train_both(
 
 
 def final_evals(export: Path) -> dict[str, float]:
-    """The last held-out evaluation of the run that wrote `export` (`<run>.export`)."""
-    run_dir = export.with_name(export.name.removesuffix(".export"))
-    evals = step_history(run_dir / "evals.jsonl")
+    """The last held-out evaluation of the run that wrote `export` (the run's `export/`)."""
+    evals = step_history(export.parent / "evals.jsonl")
     return evals[max(evals)] if evals else {}
 
 

@@ -17,7 +17,7 @@ each setting in its own subprocess:
   with or without its `torch_compile` option;
 - `lmpipe-local-*`: lmpipe's loop (`training.pretrain.loop.run_worker`, DeepSpeed engine) in this
   process with `LocalContext` (a one-rank gloo group, no Ray);
-- `lmpipe-ray-*`: the same loop on Ray Train (`training.runtime.launcher.run_training`, 1 worker,
+- `lmpipe-ray-*`: the same loop on Ray Train (`training.pretrain.driver.run_training`, 1 worker,
   2 CPUs, 2 threads), with a local Ray started in the subprocess.
 
 Counted: real input tokens, i.e. the sum of the attention mask (padding excluded) of the

@@ -57,6 +57,9 @@ KEYED = (
     "finetune",
     "evaluate",
 )
+# Training stages, and the records of a run that say where it is and what it was named.
+RUN_STAGES = ("pretrain", "finetune")
+RUN_RECORDS = ("record.json", "manifest.json")
 # What names the code, not what it computed: two commits differ here by design (a stage's
 # fingerprint hashes the source of tasks/; directories named by one are matched by stage).
 CODE_KEYS = frozenset({"git_commit", "source_hash", "fingerprint"})
@@ -90,42 +93,74 @@ def run(rev: str, out: Path) -> None:
     subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)])
 
 
-def by_stage(workspace: Path, into: Path) -> list[str]:
+def by_stage(workspace: Path, into: Path, layout_records: bool = True) -> list[str]:
     """`workspace` hard-linked into `into`, each stage's keyed entries renamed `run`.
 
-    Returns the keys renamed, so that the records' mentions of them compare equal too.
+    A training run of the layout before runs were stage outputs (`<key>/`, `<key>.export/`,
+    `<key>.run.json`) is laid out as one of today's (`<key>/export/`), so that the two compare.
+    `layout_records`: keep the records of where a run is and what it was named (the legacy
+    `.run.json`, a run's `record.json` and `manifest.json`); a comparison across the two
+    layouts leaves them out, since one layout has what the other has not.
+
+    Returns the keys renamed, so that the records' mentions of them compare equal too, after
+    the two layouts' names of a pretraining export (`<key>.export`, `<key>/export`).
     """
-    keys = []
+    keys, exports = [], []
     for entry in sorted(workspace.iterdir()):
         target = into / entry.name
-        if entry.name in KEYED and entry.is_dir():
-            target.mkdir(parents=True)
-            for child in sorted(entry.iterdir()):
-                key = child.name.split(".")[0]
-                keys.append(key)
-                copy(child, target / child.name.replace(key, "run", 1))
-        else:
+        if entry.name not in KEYED or not entry.is_dir():
             copy(entry, target)
-    return keys
+            continue
+        target.mkdir(parents=True)
+        for child in sorted(entry.iterdir()):
+            key = child.name.split(".")[0]
+            keys.append(key)
+            name = child.name.replace(key, "run", 1)
+            if name == "run.export":  # the legacy export, beside its run
+                exports.append(child.name)
+                copy(child, target / "run" / "export")
+            elif name == "run" and child.is_dir() and entry.name in RUN_STAGES:
+                exports.append(f"{key}/export")
+                copy(child, target / "run", skip=() if layout_records else RUN_RECORDS)
+            elif layout_records or name != "run.run.json":
+                copy(child, target / name)
+    return exports + keys
 
 
-def copy(source: Path, target: Path) -> None:
-    """`source` at `target` by hard links (the runs' files are read, never written)."""
-    if source.is_dir():
-        shutil.copytree(source, target, copy_function=os.link, symlinks=True)
-    else:
+def copy(source: Path, target: Path, skip: tuple[str, ...] = ()) -> None:
+    """`source` at `target` by hard links (the runs' files are read, never written).
+
+    `skip`: names left out at the top of a copied directory.
+    """
+    if not source.is_dir():
         os.link(source, target)
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    for child in sorted(source.iterdir()):
+        if child.name not in skip:
+            if child.is_dir() and not child.is_symlink():
+                shutil.copytree(child, target / child.name, copy_function=os.link, symlinks=True)
+            else:
+                os.link(child, target / child.name, follow_symlinks=False)
+
+
+def legacy_layout(workspace: Path) -> bool:
+    """Whether `workspace`'s training runs are of the layout before runs were stage outputs."""
+    return any(p for stage in RUN_STAGES for p in (workspace / stage).glob("*.run.json"))
 
 
 def compare(first: Path, second: Path) -> list[str]:
     """Every difference between the two commits' runs under the same-bits rules."""
     problems = []
     for name in RUNS:
+        same = legacy_layout(first / name) == legacy_layout(second / name)
+        if not same:
+            print(f"{name}: the two run layouts differ; run records are not compared")
         with tempfile.TemporaryDirectory(dir=first) as scratch:
             a, b = Path(scratch) / "a", Path(scratch) / "b"
             aliases = (
-                (str(first / name), str(first), *by_stage(first / name, a)),
-                (str(second / name), str(second), *by_stage(second / name, b)),
+                (str(first / name), str(first), *by_stage(first / name, a, same)),
+                (str(second / name), str(second), *by_stage(second / name, b, same)),
             )
             found = workspace_differences(a, b, aliases, CODE_KEYS)
             problems += [f"{name}: {p}" for p in found]

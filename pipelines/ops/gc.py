@@ -27,12 +27,18 @@ log = logging.getLogger(__name__)
 
 # `<workspace>/<stage>/<fingerprint>/` outputs with a manifest.json.
 FINGERPRINTED = ("ingest", "decontaminate", "tokenizer", "encode", "examples", "compare")
-RUN_STAGES = ("pretrain", "finetune")  # `<run>/`, `<run>.export/`, `<run>.run.json`
+# Training runs, `<workspace>/<stage>/<key>/` too (training/runtime/driver.py): `record.json`
+# from the start, `manifest.json` once finished.
+RUN_STAGES = ("pretrain", "finetune")
 NAMED = ("downstream", "evaluate")  # `<workspace>/<stage>/<name>/`
 # `tasks.common.io.atomic_writer` and `tasks.common.stage.temp_dir_beside`
 TEMP_PATTERN = ".*.tmp-*"
-_RUN_SUFFIXES = (".run.json", ".export")
-# The fine-tuned export's card names its base model (training/finetune/loop.py, `_card`).
+# What a run directory holds from its start (training.runtime.driver.RECORD_FILE).
+_RUN_RECORD = "record.json"
+# The layout before runs were stage outputs: `<run>/`, `<run>.export/`, `<run>.run.json`
+# beside each other, still listed (and kept or removed together).
+_LEGACY_SUFFIXES = (".run.json", ".export")
+# A legacy fine-tuned export's card names its base model (training/finetune/loop.py, `_card`).
 _BASE_ROW = re.compile(r"^\| base model \| (.+) \|$", re.MULTILINE)
 _FINGERPRINT = re.compile(r"[0-9a-f]{16,64}$")
 _MAX_KEY_CHARS = 1000  # longer tag and param values are config dumps, not names
@@ -53,7 +59,7 @@ class Output:
     Attributes:
         kind: The stage (`ingest`, ..., `pretrain`, `evaluate`) or `temp` for a leftover.
         name: Its directory name (fingerprint, run id or name) or the temp's file name.
-        paths: Every path that belongs to it (a pretraining run: the run, export and record).
+        paths: Every path that belongs to it (a legacy run: its directory, export and record).
         keys: What names it: the name, the manifest's fingerprint, its absolute paths.
         needs: Keys and absolute paths of the outputs it was built from.
         bytes: Size on disk (hard-linked files are counted in every output that links them).
@@ -179,9 +185,12 @@ def scan_workspace(workspace: Path) -> list[Output]:
             continue
         entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
         if stage in RUN_STAGES:
-            outputs += [_run_output(stage, root, run) for run in _runs(entries)]
+            runs = [p for p in entries if _is_run_dir(p)]
+            legacy = [p for p in entries if p not in runs]
+            outputs += [_legacy_run(stage, root, run) for run in _legacy_names(legacy)]
         else:
-            outputs += [_dir_output(stage, p) for p in entries if p.is_dir()]
+            runs = [p for p in entries if p.is_dir()]
+        outputs += [_dir_output(stage, p) for p in runs]
         outputs += [_temp(p) for p in sorted(root.glob(TEMP_PATTERN))]
         for out in entries:
             if out.is_dir() and not out.is_symlink():
@@ -189,18 +198,25 @@ def scan_workspace(workspace: Path) -> list[Output]:
     return outputs
 
 
-def _runs(entries: list[Path]) -> list[str]:
+def _is_run_dir(path: Path) -> bool:
+    """A training run of the stage layout: a directory with its record or manifest."""
+    is_dir = path.is_dir() and not path.is_symlink()
+    return is_dir and any((path / name).is_file() for name in (_RUN_RECORD, "manifest.json"))
+
+
+def _legacy_names(entries: list[Path]) -> list[str]:
     runs = set()
     for path in entries:
         name = path.name
-        for suffix in _RUN_SUFFIXES:
+        for suffix in _LEGACY_SUFFIXES:
             name = name.removesuffix(suffix)
         runs.add(name)
     return sorted(runs)
 
 
 def _dir_output(stage: str, path: Path) -> Output:
-    manifest = _read_json(path / "manifest.json")
+    # A training run that has not finished has no manifest yet; its record names its inputs.
+    manifest = _read_json(path / "manifest.json") or _read_json(path / _RUN_RECORD)
     keys = {path.name, str(path)}
     needs: set[str] = set()
     if manifest:
@@ -228,7 +244,7 @@ def _manifest_needs(manifest: dict[str, Any]) -> set[str]:
     return needs - {str(manifest.get("fingerprint"))}
 
 
-def _run_output(stage: str, root: Path, run: str) -> Output:
+def _legacy_run(stage: str, root: Path, run: str) -> Output:
     run_dir = root / run
     paths = [run_dir, root / f"{run}.export", root / f"{run}.run.json"]
     paths = [p for p in paths if p.exists() or p.is_symlink()]

@@ -162,10 +162,12 @@ def plan_output(
     workspace: Path | None = None,
     path: Path | None = None,
     seed: int | None = None,
+    code: tuple[str, ...] = ("tasks",),
 ) -> StageOutput:
     """Fingerprint a stage's inputs, config (and seed) with the code, and place its output.
 
-    The fingerprint is `sha256(inputs, config, seed, source hash of tasks/)[:16]`. The output
+    The fingerprint is `sha256(inputs, config, seed, source hash of the packages in code)[:16]`
+    (a data stage runs `tasks/` only; a training run `tasks/` and `training/`). The output
     goes to `<workspace>/<stage>/<fingerprint>/`, or to `path` when the caller chose the
     directory (a downstream dataset), which its completeness check then keys on the
     fingerprint.
@@ -173,8 +175,8 @@ def plan_output(
     Raises:
         ValueError: neither or both of `workspace` and `path` given.
     """
-    code = code_version("tasks")
-    key = {"inputs": inputs, "config": config, "code": code["source_hash"]}
+    code_ref = code_version(*code)
+    key = {"inputs": inputs, "config": config, "code": code_ref["source_hash"]}
     if seed is not None:
         key["seed"] = seed
     fp = fingerprint(key)
@@ -182,7 +184,7 @@ def plan_output(
         path = workspace / stage / fp
     elif workspace is not None or path is None:
         raise ValueError("plan_output needs exactly one of workspace and path")
-    return StageOutput(stage, path, fp, config, code, inputs)
+    return StageOutput(stage, path, fp, config, code_ref, inputs)
 
 
 class StageInputError(ValueError):

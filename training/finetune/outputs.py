@@ -29,9 +29,9 @@ from training.models.export import (
     assert_safetensors_only,
     export_layout,
 )
+from training.runtime.driver import EXPORT_DIR
 
 RESULT_FILE = "result.json"
-EXPORT_DIR = "export"
 # Appended to the card of an adapter export: how to load it (docs/strategies.md, "Exports").
 _LOADING = {
     "peft": "\n## Loading\n\nA peft adapter (`adapter_config.json`, `adapter_model.safetensors`) "

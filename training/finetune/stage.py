@@ -1,16 +1,16 @@
 """The fine-tuning stage: one Ray Train run per (task data, base model, config, seed), in MLflow.
 
-`run_finetune` trains on Ray (`training/finetune/loop.py`) into `<storage>/<run id>/`, where the
-run id hashes the prepared task data, the base model's files, the config and the seed, so the
-same inputs reuse a finished run. `finetune_stage` adds tracking: params, per-epoch metrics,
-test metrics, the report artifact, and registration of the export with lineage to its base.
+`run_finetune` trains on Ray (`training/finetune/loop.py`) into `<root>/<key>/` (a run as a
+stage output, `training/runtime/driver.py`), where the key hashes the prepared task data, the
+base model's files, the config, the seed and the code, so the same inputs reuse a finished run.
+`finetune_stage` adds tracking: params, per-epoch metrics, test metrics, the report artifact,
+and registration of the export with lineage to its base.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,13 +19,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from tasks.common.io import fingerprint, flatten, sha256_file, source_hash, write_json_atomic
-from tasks.common.workspace import relocate_record
+from tasks.common.io import fingerprint, flatten, sha256_file
 from training.finetune.config import FinetuneConfig
 from training.finetune.loop import FINETUNE_LOOP, FinetuneJob
-from training.finetune.outputs import EXPORT_DIR, RESULT_FILE
+from training.finetune.outputs import RESULT_FILE
 from training.models.config import BaseModelRef
-from training.runtime.launcher import fit
+from training.runtime.driver import EXPORT_DIR, RunDirectory, RunIdentity, upstream_ref
 from training.runtime.progress import ProgressSpec, artifact_key
 from training.runtime.run_context import RunContext
 from training.tracking.model_ref import resolve_base_model
@@ -40,10 +39,12 @@ from training.tracking.runs import (
 
 log = logging.getLogger(__name__)
 
+STAGE = "finetune"
+
 
 @dataclass(frozen=True)
 class FinetuneRun:
-    """A finished fine-tuning run: its directory, result and export."""
+    """A finished fine-tuning run: its directory and result."""
 
     run_dir: Path
     result: dict[str, Any]
@@ -62,9 +63,12 @@ def model_fingerprint(model_dir: Path) -> str:
     return fingerprint({p.name: sha256_file(p) for p in files})
 
 
-def finetune_run_id(cfg: FinetuneConfig, seed: int, data_dir: Path, model_dir: Path) -> str:
-    """The run's identity: task data and base model fingerprints, the config, seed and code."""
+def finetune_identity(
+    cfg: FinetuneConfig, seed: int, data_dir: Path, model_dir: Path
+) -> RunIdentity:
+    """What keys a fine-tuning run: task data and base model fingerprints, config, seed, code."""
     data = json.loads((data_dir / "manifest.json").read_text())["fingerprint"]
+    model = model_fingerprint(model_dir)
     # Where the one worker runs (Ray Train or this process) does not change what is trained.
     train = cfg.model_dump(
         mode="json",
@@ -76,15 +80,16 @@ def finetune_run_id(cfg: FinetuneConfig, seed: int, data_dir: Path, model_dir: P
             "scale": {"launcher"},
         },
     )
-    return fingerprint(
-        {
-            "data": data,
-            "model": model_fingerprint(model_dir),
-            "finetune": train,
-            "seed": seed,
-            "code": source_hash("tasks", "training"),
-        }
-    )
+    upstream = {
+        "downstream": upstream_ref(data, data_dir),
+        "base_model": upstream_ref(model, model_dir),
+    }
+    return RunIdentity(STAGE, {"data": data, "model": model}, train, seed, upstream)
+
+
+def finetune_run_id(cfg: FinetuneConfig, seed: int, data_dir: Path, model_dir: Path) -> str:
+    """The run's key (its directory's name): `finetune_identity`'s."""
+    return finetune_identity(cfg, seed, data_dir, model_dir).key
 
 
 def run_finetune(
@@ -97,32 +102,47 @@ def run_finetune(
     mlflow_run_id: str | None = None,
     progress: ProgressSpec | None = None,
 ) -> FinetuneRun:
-    """Fine-tune where `finetune.scale.launcher` says (or reuse the finished run of this identity).
+    """Fine-tune where `finetune.scale.launcher` says (or find the finished run of this key).
 
-    The run goes to `<root>/<run id>/`; `run` gives the seed, Ray and the tracking URI the worker
-    logs to. `progress`: how this process shows the run's progress (None: not at all).
+    The run goes to `<root>/<key>/` (`finetune_identity`); `run` gives the seed, Ray and the
+    tracking URI the worker logs to. `progress`: how this process shows the run's progress
+    (None: not at all).
     """
-    run_id = finetune_run_id(cfg, run.seed, data_dir, model_dir)
-    run_dir = root / run_id
-    if (run_dir / RESULT_FILE).is_file():
-        log.info("fine-tuning run %s already finished: reused", run_id)
-        return FinetuneRun(run_dir, json.loads((run_dir / RESULT_FILE).read_text()))
-    if run_dir.is_dir():
-        shutil.rmtree(run_dir)  # an unfinished attempt: fine-tuning restarts from its base
-    run_dir.mkdir(parents=True)
+    run_dir = finetune_identity(cfg, run.seed, data_dir, model_dir).place(root, run.workspace)
+    return train(run_dir, cfg, run=run, mlflow_run_id=mlflow_run_id, progress=progress)
+
+
+def train(
+    run_dir: RunDirectory,
+    cfg: FinetuneConfig,
+    *,
+    run: RunContext,
+    mlflow_run_id: str | None = None,
+    progress: ProgressSpec | None = None,
+) -> FinetuneRun:
+    """Fine-tune the planned run, or find it finished (its `result.json` written).
+
+    An unfinished attempt is removed first: fine-tuning restarts from its base model.
+    """
+    result_file = run_dir.path / RESULT_FILE
+    if result_file.is_file():
+        log.info("fine-tuning run %s already finished: reused", run_dir.key)
+        return FinetuneRun(run_dir.path, json.loads(result_file.read_text()))
+    run_dir.open(keep=False, mlflow_run_id=mlflow_run_id)
+    upstream = run_dir.upstream
     job = FinetuneJob(
         finetune=cfg,
         seed=run.seed,
-        data_dir=data_dir.resolve(),
-        model_dir=model_dir.resolve(),
-        config_hash=run_id,
+        data_dir=Path(upstream["downstream"]["path"]),
+        model_dir=Path(upstream["base_model"]["path"]),
+        config_hash=run_dir.key,
         tracking_uri=run.tracking_uri,
         mlflow_run_id=mlflow_run_id,
     )
-    fit(FINETUNE_LOOP, job, cfg.scale, run_dir, run.ray, progress)
-    if not (run_dir / RESULT_FILE).is_file():
-        raise RuntimeError(f"{run_dir}: fine-tuning ended without {RESULT_FILE}")
-    return FinetuneRun(run_dir, json.loads((run_dir / RESULT_FILE).read_text()))
+    run_dir.fit(FINETUNE_LOOP, job, cfg.scale, run.ray, progress)
+    if not result_file.is_file():
+        raise RuntimeError(f"{run_dir.path}: fine-tuning ended without {RESULT_FILE}")
+    return FinetuneRun(run_dir.path, json.loads(result_file.read_text()))
 
 
 def finetune_stage(
@@ -140,7 +160,7 @@ def finetune_stage(
         cfg: The `finetune` section.
         data_dir: A prepared downstream task (`tasks/downstream/downstream.py`).
         model_dir: The base model, a Hugging Face directory.
-        run: The run context: its workspace holds `finetune/<run id>/`; its seed seeds the new
+        run: The run context: its workspace holds `finetune/<key>/`; its seed seeds the new
             head, the data order and dropout; its name prefixes the MLflow run's and the
             registered model's names.
         lineage: Tags that trace the base model (e.g. `base_model_name`, `base_model_version`).
@@ -150,16 +170,15 @@ def finetune_stage(
         A summary: run directory, result (metrics, best epoch, trainable parameters, time),
         export directory, MLflow run id and registered version (when registered).
     """
-    root = (run.workspace / "finetune").resolve()
-    run_id = finetune_run_id(cfg, run.seed, data_dir, model_dir)
-    record_file = root / f"{run_id}.run.json"
-    if record_file.is_file():  # its paths relocated: the workspace may have moved since
-        record = relocate_record(json.loads(record_file.read_text()), run.workspace)
-        return dict(record) | {"reused": True}
-    log.info("fine-tuning run %s: %s", run_id, cfg.precision_choice())
+    identity = finetune_identity(cfg, run.seed, data_dir, model_dir)
+    run_dir = identity.place(run.workspace / STAGE, run.workspace)
+    done = run_dir.reuse()
+    if done is not None:
+        return done | {"reused": True}
+    log.info("fine-tuning run %s: %s", run_dir.key, cfg.precision_choice())
     uri = run.tracking_uri
     task = json.loads((data_dir / "manifest.json").read_text())
-    tags = {"stage": "finetune", "finetune_run": run_id, "task_type": task["task_type"]}
+    tags = {"stage": STAGE, "finetune_run": run_dir.key, "task_type": task["task_type"]}
     name, workspace = f"{run.name}-finetune", run.workspace
     with tracked_run(run.tracking, workspace, name, tags | lineage, system_metrics=True) as tracker:
         mlflow_run = tracker.run_id
@@ -167,23 +186,15 @@ def finetune_stage(
             flatten({"finetune": cfg.model_dump(mode="json"), "seed": run.seed})
             | {"resolved_precision": cfg.precision, "requested_precision": cfg.requested_precision}
         )
-        if mlflow_run is not None:  # hashing the base model's weights again costs seconds
-            tracker.log_inputs(finetune_inputs(data_dir, model_dir))
-        done = run_finetune(
-            cfg, data_dir, model_dir, root, run=run, mlflow_run_id=mlflow_run, progress=progress
-        )
-        summary = {"run_dir": str(done.run_dir), "export_dir": str(done.export_dir), **done.result}
-        summary["mlflow_run_id"] = mlflow_run
+        model = DatasetRef("base_model", identity.inputs["model"], str(model_dir), "training")
+        tracker.log_inputs([output_ref("downstream", data_dir, "training"), model])
+        done_run = train(run_dir, cfg, run=run, mlflow_run_id=mlflow_run, progress=progress)
+        summary = {"run_dir": str(done_run.run_dir), "export_dir": str(done_run.export_dir)}
+        summary |= done_run.result | {"mlflow_run_id": mlflow_run}
         if uri is not None and mlflow_run is not None:
-            summary |= _publish(done, cfg, uri, mlflow_run, run.name, task, lineage)
-    write_json_atomic(record_file, summary)
+            summary |= _publish(done_run, cfg, uri, mlflow_run, run.name, task, lineage)
+    run_dir.commit(summary)
     return summary | {"reused": False}
-
-
-def finetune_inputs(data_dir: Path, model_dir: Path) -> list[DatasetRef]:
-    """What a fine-tuning run reads: the prepared task data and the base model's files."""
-    model = DatasetRef("base_model", model_fingerprint(model_dir), str(model_dir), "training")
-    return [output_ref("downstream", data_dir, "training"), model]
 
 
 def _publish(

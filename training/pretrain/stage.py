@@ -1,8 +1,10 @@
 """The pretraining stage: train on Ray, export to Hugging Face format, check, register in MLflow.
 
-`pretrain_stage` drives one run end to end and keeps its MLflow run open across resumes (the
-run id lives in `<storage>/<run>.run.json`); `export_checkpoint` turns any valid checkpoint into
-a checked Hugging Face directory (`lmpipe export`). `pretrain_task` is the Prefect wrapper.
+`pretrain_stage` drives one run end to end, in `<storage>/<key>/` (`training/runtime/driver.py`),
+and keeps its MLflow run open across resumes (the run id lives in the run's `record.json`); the
+export goes to the run's `export/`. `export_checkpoint` turns any valid checkpoint into a
+checked Hugging Face directory (`lmpipe export`), a run's of the older layout included.
+`pretrain_task` is the Prefect wrapper.
 Paths read back from a run record or a checkpoint's `meta.json` are relocated into the workspace
 where they are read (`tasks.common.workspace.relocate`): a copied workspace reuses its runs.
 """
@@ -19,8 +21,8 @@ import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.common.io import code_version, flatten, write_json_atomic
-from tasks.common.workspace import relocate, relocate_record, workspace_of
+from tasks.common.io import code_version, flatten
+from tasks.common.workspace import relocate, workspace_of
 from training.models.export import (
     DataRef,
     ModelCard,
@@ -40,10 +42,11 @@ from training.pretrain.data import (
     read_manifest,
     sequence_length,
 )
-from training.pretrain.driver import RunControl, TrainingRun, run_id_for, run_training, storage_root
+from training.pretrain.driver import STAGE, RunControl, TrainingRun, plan_pretrain, train
 from training.pretrain.losses import export_loss
 from training.pretrain.pretraining_model import build_export_model
 from training.runtime import checkpoint as ckpt
+from training.runtime.driver import EXPORT_DIR
 from training.runtime.progress import ProgressSpec, artifact_key
 from training.runtime.run_context import RunContext
 from training.scoring.plots import loss_curve_png, step_history
@@ -180,52 +183,42 @@ def pretrain_stage(
 ) -> dict[str, Any]:
     """Train (or reuse a finished run), export, check the export and register it.
 
-    Returns a summary: run directory, checkpoint, export directory, MLflow run id, registered
-    model version, final metrics. `control` is passed to `run_training` (resume, stop step,
-    planned fault, how this process shows the progress; None: `RunControl`'s defaults). A run
-    stopped at `control.stop_at_step` is neither exported nor registered; resume it with
-    `RunControl(resume=True)`.
+    The run is `<storage>/<key>/` (`plan_pretrain`); a finished and published one is reused
+    (registered, when tracking is on). Returns a summary: run directory, checkpoint, export
+    directory, MLflow run id, registered model version, final metrics. `control` is passed to
+    `train` (resume, stop step, planned fault, how this process shows the progress; None:
+    `RunControl`'s defaults). A run stopped at `control.stop_at_step` is neither exported nor
+    registered; resume it with `RunControl(resume=True)`: it logs into the same MLflow run.
     """
     control = control or RunControl()
     teacher_dir = _teacher_dir(cfg, run)
-    run_id = run_id_for(cfg, run.seed, examples_dir, tokenizer_dir, teacher_dir)
-    record_file = storage_root(cfg, run.workspace) / f"{run_id}.run.json"
-    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
-    if record.get("registered") and not control.stop_at_step:
-        return dict(relocate_record(record["summary"], run.workspace)) | {"reused": True}
+    run_dir = plan_pretrain(cfg, examples_dir, tokenizer_dir, run=run, teacher_dir=teacher_dir)
+    done = run_dir.reuse(registered=run.tracking_uri is not None)
+    if done is not None and not control.stop_at_step:
+        return done | {"reused": True}
     log.info(
         "pretraining run %s: %s, attention %s (train.attention %s)",
-        run_id,
+        run_dir.key,
         cfg.precision_choice(),
         cfg.document_attention(),
         cfg.attention,
     )
-    tags = {"stage": "pretrain", "train_run": run_id, "family": cfg.model.family}
-    name, resumed = f"{run.name}-pretrain", record.get("mlflow_run_id")
+    tags = {"stage": STAGE, "train_run": run_dir.key, "family": cfg.model.family}
+    name, resumed = f"{run.name}-pretrain", run_dir.record().get("mlflow_run_id")
     with tracked_run(
         run.tracking, run.workspace, name, tags, run_id=resumed, system_metrics=True
     ) as tracker:
-        mlflow_run = tracker.run_id or record.get("mlflow_run_id")
-        if not record:
+        mlflow_run = tracker.run_id or resumed
+        if resumed is None:
             _log_start(tracker, cfg, examples_dir, tokenizer_dir)
-        trained = run_training(
-            cfg,
-            examples_dir,
-            tokenizer_dir,
-            run=run,
-            mlflow_run_id=mlflow_run,
-            control=control,
-            teacher_dir=teacher_dir,
-        )
+        trained = train(run_dir, cfg, run=run, mlflow_run_id=mlflow_run, control=control)
         summary = _summary(trained) | {"mlflow_run_id": mlflow_run}
         if trained.finished:
             summary |= _publish(trained, cfg, run, mlflow_run, examples_dir, tokenizer_dir)
         else:
             tracker.end_status = "KILLED"  # stopped early: resumed later into the same run
-    registered = "model_version" in summary
-    write_json_atomic(
-        record_file, {"mlflow_run_id": mlflow_run, "registered": registered, "summary": summary}
-    )
+    if trained.finished:
+        run_dir.commit(summary)
     return summary | {"reused": False}
 
 
@@ -272,7 +265,7 @@ def _publish(
     examples_dir: Path,
     tokenizer_dir: Path,
 ) -> dict[str, Any]:
-    export_dir = trained.run_dir.parent / f"{trained.run_dir.name}.export"
+    export_dir = trained.run_dir / EXPORT_DIR
     export_checkpoint(trained.checkpoint, export_dir)
     out: dict[str, Any] = {"export_dir": str(export_dir)}
     uri = run.tracking_uri
