@@ -106,10 +106,14 @@ def validate(ckpt: Path, config_hash: str | None = None) -> dict[str, Any]:
     """The checkpoint's meta after checking it lists, and matches, every file it needs.
 
     Raises:
-        CheckpointError: no, unreadable or changed `meta.json` (it holds its own sha256), a
-            missing, changed or extra file, or a different config hash (when `config_hash` is
-            given).
+        CheckpointError: no such directory (the message names the checkpoints beside it), no,
+            unreadable or changed `meta.json` (it holds its own sha256), a missing, changed or
+            extra file, or a different config hash (when `config_hash` is given).
     """
+    if not ckpt.is_dir():
+        there = [p.name for _, p in checkpoint_dirs(ckpt.parent)]
+        hint = f"; the checkpoints in {ckpt.parent}: {', '.join(there)}" if there else ""
+        raise CheckpointError(f"{ckpt}: no such checkpoint{hint}")
     path = ckpt / META
     try:
         meta: dict[str, Any] = json.loads(path.read_text())

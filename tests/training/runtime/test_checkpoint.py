@@ -5,6 +5,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from training.runtime import checkpoint as ckpt
@@ -41,3 +42,15 @@ def test_the_rng_file_round_trips_and_an_older_file_with_pythons_state_still_loa
     draw = random.random()
     ckpt.set_rng_state(older)
     assert random.random() == draw
+
+
+def test_a_checkpoint_that_is_not_there_is_named_with_the_ones_that_are(tmp_path: Path) -> None:
+    for step in (350, 700):
+        (tmp_path / f"checkpoint_step-{step:09d}").mkdir()
+    missing = tmp_path / "checkpoint_step-000000060"
+    with pytest.raises(ckpt.CheckpointError) as raised:
+        ckpt.validate(missing)
+    assert str(raised.value) == (
+        f"{missing}: no such checkpoint; the checkpoints in {tmp_path}: "
+        "checkpoint_step-000000700, checkpoint_step-000000350"
+    )
