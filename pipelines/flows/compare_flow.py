@@ -11,6 +11,7 @@ from pipelines.flows.finetune_flow import prepare_task, upstream
 from pipelines.flows.recipe_flow import recipe_flow
 from pipelines.flows.steps import base_model, run_context
 from pipelines.ops.runtime import resolve_environment
+from tasks.common.caching import in_workspace, stage_summary
 from training.finetune.compare import compare_task
 from training.finetune.stage import finetune_task
 
@@ -30,6 +31,7 @@ def compare_flow(cfg: RunConfig) -> dict[str, Any]:
     data = prepare_task(cfg)
     model_dir, lineage = base_model(cfg, upstream(cfg))
     names, summaries = [], []
+    task = in_workspace(finetune_task, cfg.workspace)
     for entry in cfg.compare.entries:
         update = {
             "strategy": entry.strategy,
@@ -40,7 +42,8 @@ def compare_flow(cfg: RunConfig) -> dict[str, Any]:
         for seed in cfg.compare.seeds:
             seeded = replace(run, seed=seed)
             args = (finetune, data["path"], model_dir)
-            summaries.append(finetune_task(*args, run=seeded, lineage=lineage))
+            state = task(*args, run=seeded, lineage=lineage, return_state=True)
+            summaries.append(stage_summary(state, cfg.workspace))
             names.append(entry.name())
     out = cfg.workspace / "compare" / data["fingerprint"]
     table = (names, summaries, cfg.compare.metric, str(out), data["path"])

@@ -4,10 +4,10 @@ A step takes the run config and the summaries of the stages already run (`Stages
 stage name) and returns its own. Every summary says where the output is, whether it was
 `reused` (a cache hit: the stage's fingerprint over its inputs, config section and code matched
 a complete output in the workspace) and its MLflow run. The stage flows and the `pipeline` flow
-are compositions of these steps. Caching has one key, the fingerprint: the data stages and the
-downstream preparation are Prefect-cached on it, guarded by the workspace check
-(`tasks.common.caching`), with their JSON results under `<workspace>/prefect-results/`; a
-`Cached` task run is a reused stage. Training and evaluation stay `NO_CACHE`.
+are compositions of these steps. Caching has one key, the fingerprint: every stage's task, the
+training runs' and the evaluation's included, is Prefect-cached on it, guarded by the
+workspace check (`tasks.common.caching`), with its JSON results under
+`<workspace>/prefect-results/`; a `Cached` task run is a reused stage.
 
 Each step also publishes its stage's Markdown summary as a Prefect artifact
 (`pipelines/flows/summary.py`). The data stages and the downstream preparation are retried with
@@ -155,8 +155,10 @@ def pretrain_step(cfg: RunConfig, stages: Stages, resume: bool = False) -> Stage
     from training.pretrain.stage import pretrain_task  # torch: only where it trains
 
     examples, tokenizer = stages["examples"]["path"], stages["tokenizer"]["path"]
-    result = pretrain_task(cfg.train, examples, tokenizer, run=run_context(cfg), resume=resume)
-    return _trained(cfg, "pretrain", result)
+    task = in_workspace(pretrain_task, cfg.workspace)  # Ray Train retries its workers instead
+    run = run_context(cfg)
+    state = task(cfg.train, examples, tokenizer, run=run, resume=resume, return_state=True)
+    return _trained(cfg, "pretrain", stage_summary(state, cfg.workspace))
 
 
 def _trained(cfg: RunConfig, stage: str, result: dict[str, Any]) -> Stages:
@@ -212,8 +214,9 @@ def finetune_step(cfg: RunConfig, stages: Stages) -> Stages:
 
     model_dir, lineage = base_model(cfg, stages)
     data_dir = stages["downstream"]["path"]
-    result = finetune_task(cfg.finetune, data_dir, model_dir, run=run_context(cfg), lineage=lineage)
-    return _trained(cfg, "finetune", result)
+    task, run = in_workspace(finetune_task, cfg.workspace), run_context(cfg)
+    state = task(cfg.finetune, data_dir, model_dir, run=run, lineage=lineage, return_state=True)
+    return _trained(cfg, "finetune", stage_summary(state, cfg.workspace))
 
 
 def evaluate_step(cfg: RunConfig, stages: Stages) -> Stages:
@@ -225,12 +228,14 @@ def evaluate_step(cfg: RunConfig, stages: Stages) -> Stages:
     if "examples" in stages and cfg.finetune.base is None:
         examples = (stages["examples"]["path"], stages["tokenizer"]["path"])
     task_dir = stages["downstream"]["path"] if "downstream" in stages else None
-    result = retrying(evaluate_task, cfg)(
+    state = cached(evaluate_task, cfg)(
         model_dir,
         cfg.evaluate,
         run=run_context(cfg),
         examples=examples,
         task_dir=task_dir,
         finetuned=stages.get("finetune"),
+        return_state=True,
     )
+    result = stage_summary(state, cfg.workspace)
     return _trained(cfg, "evaluate", result | {"report_dir": result["path"]})

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 
 from tasks.common import schema
+from tasks.common.caching import stage_task
 from tasks.common.io import fingerprint, read_downstream_dir, source_hash, write_json_atomic
 from tasks.common.stage import StageOutput, complete_manifest, content_hash, file_entry
 from tasks.common.workspace import relocate_record
@@ -272,7 +272,21 @@ def _finetuned_section(finetuned: dict[str, Any]) -> dict[str, Any]:
     return {k: finetuned[k] for k in keys if k in finetuned} | {"test": finetuned["test"]}
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
+def plan_evaluate_task(
+    model_dir: str,
+    cfg: EvaluateConfig,
+    run: RunContext,
+    examples: tuple[str, str] | None = None,
+    task_dir: str | None = None,
+    finetuned: dict[str, Any] | None = None,
+) -> StageOutput:
+    """The evaluation an `evaluate_task` call reuses, for the task's Prefect cache."""
+    examples_paths = (Path(examples[0]), Path(examples[1])) if examples else None
+    task_path = Path(task_dir) if task_dir else None
+    return plan_evaluation(Path(model_dir), cfg, examples_paths, task_path, finetuned, run=run)
+
+
+@stage_task(STAGE, plan_evaluate_task, complete_manifest)
 def evaluate_task(
     model_dir: str,
     cfg: EvaluateConfig,
@@ -287,7 +301,8 @@ def evaluate_task(
     The output is `<workspace>/evaluate/<fingerprint>/` (`plan_evaluation`); an evaluation with
     the same model, data, config, seed, fine-tuned model and code is reused as it is (`reused:
     true`). With `finetuned` (a fine-tuning summary), the report also shows the fine-tuned
-    model's test metrics.
+    model's test metrics. Cached in Prefect on the fingerprint while the output is complete,
+    as the data stages are (`tasks.common.caching`).
     """
     examples_paths = (Path(examples[0]), Path(examples[1])) if examples else None
     task_path = Path(task_dir) if task_dir else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from tasks.common.caching import stage_task
 from tasks.common.io import fingerprint, flatten, sha256_file
+from tasks.common.stage import StageOutput, complete_manifest
 from training.finetune.config import FinetuneConfig
 from training.finetune.loop import FINETUNE_LOOP, FinetuneJob
 from training.finetune.outputs import RESULT_FILE
@@ -56,11 +59,22 @@ class FinetuneRun:
 
 
 def model_fingerprint(model_dir: Path) -> str:
-    """A hash of a model directory's config and weight files (what fine-tuning starts from)."""
+    """A hash of a model directory's config and weight files (what fine-tuning starts from).
+
+    Remembered in this process while the files keep their sizes and modification times: a
+    call is planned twice (its Prefect cache key, then the run), and a base model's weights
+    take seconds to hash.
+    """
     files = sorted(
         p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file()
     )
-    return fingerprint({p.name: sha256_file(p) for p in files})
+    stats = tuple((p.resolve(), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return _files_fingerprint(stats)
+
+
+@lru_cache(maxsize=64)
+def _files_fingerprint(stats: tuple[tuple[Path, int, int], ...]) -> str:
+    return fingerprint({path.name: sha256_file(path) for path, _, _ in stats})
 
 
 def finetune_identity(
@@ -223,7 +237,15 @@ def _publish(
     return {"model_name": ref.name, "model_version": ref.version, "model_uri": ref.model_uri}
 
 
-@task(name="finetune", cache_policy=NO_CACHE)
+def plan_finetune_task(
+    cfg: FinetuneConfig, data_dir: str, model_dir: str, run: RunContext
+) -> StageOutput:
+    """The run a `finetune_task` call reuses, for the task's Prefect cache (`StageCache`)."""
+    identity = finetune_identity(cfg, run.seed, Path(data_dir), Path(model_dir))
+    return identity.place(run.workspace / STAGE, run.workspace).out
+
+
+@stage_task(STAGE, plan_finetune_task, complete_manifest)
 def finetune_task(
     cfg: FinetuneConfig,
     data_dir: str,
@@ -236,6 +258,8 @@ def finetune_task(
 
     The run's progress is a live line on a terminal, else a log line per epoch, and a Prefect
     progress artifact; its title names the strategy and seed (a comparison runs several).
+    Cached in Prefect on the run's key while the run's manifest is complete, as the data
+    stages are (`tasks.common.caching`).
     """
     logger = get_run_logger()
     logger.info("fine-tuning: %s", cfg.precision_choice())  # shown on the console

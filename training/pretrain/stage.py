@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
 
+from tasks.common.caching import stage_task
 from tasks.common.io import code_version, flatten
+from tasks.common.stage import StageOutput, complete_manifest
 from tasks.common.workspace import relocate, workspace_of
 from training.models.export import (
     DataRef,
@@ -285,7 +286,25 @@ def _publish(
     return out | {"model_name": ref.name, "model_version": ref.version, "model_uri": ref.model_uri}
 
 
-@task(name="pretrain", cache_policy=NO_CACHE)
+def plan_pretrain_task(
+    cfg: TrainConfig, examples_dir: str, tokenizer_dir: str, run: RunContext
+) -> StageOutput | None:
+    """The run a `pretrain_task` call reuses, for the task's Prefect cache (`StageCache`).
+
+    None (no cache key: the task runs and decides) when the run is finished but not yet
+    registered while tracking is on: this call registers it.
+    """
+    teacher_dir = _teacher_dir(cfg, run)
+    run_dir = plan_pretrain(
+        cfg, Path(examples_dir), Path(tokenizer_dir), run=run, teacher_dir=teacher_dir
+    )
+    published = run_dir.reuse()
+    if published is not None and run.tracking_uri is not None and "model_version" not in published:
+        return None
+    return run_dir.out
+
+
+@stage_task(STAGE, plan_pretrain_task, complete_manifest)
 def pretrain_task(
     cfg: TrainConfig,
     examples_dir: str,
@@ -296,8 +315,10 @@ def pretrain_task(
 ) -> dict[str, Any]:
     """Prefect task: `pretrain_stage` on paths (a finished, registered run is reused).
 
-    The training's progress is a live line on a terminal, else a log line per
-    `train.log_every_steps`, and a Prefect progress artifact.
+    Cached in Prefect on the run's key while the run's manifest is complete, as the data stages
+    are (`tasks.common.caching`): a rerun of a finished run is a `Cached` task run, its summary
+    the recorded one (`stage_summary` marks it reused). The training's progress is a live line
+    on a terminal, else a log line per `train.log_every_steps`, and a Prefect progress artifact.
     """
     logger = get_run_logger()
     logger.info("pretraining: %s", cfg.precision_choice())  # shown on the console

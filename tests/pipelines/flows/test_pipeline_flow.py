@@ -22,8 +22,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 RECIPE = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
 STAGES = ("ingest", "tokenizer", "encode", "examples", "pretrain", "downstream", "finetune")
 OUTPUT_DIRS = (*STAGES, "evaluate")
-# The Prefect tasks cached on their output's fingerprint (training and evaluation are not).
-CACHED_TASKS = ("ingest", "tokenizer", "encode", "examples", "prepare-downstream")
+# The Prefect tasks cached on their output's fingerprint: every stage's, training's included.
+CACHED_TASKS = (
+    *("ingest", "tokenizer", "encode", "examples", "prepare-downstream"),
+    *("pretrain", "finetune", "evaluate"),
+)
 # What a run in a copied workspace may rewrite: the MLflow store (re-rooted, then the runs that
 # record the cache hits), the workspace's roots and the stat cache of its (copied) inputs.
 BOOKKEEPING = ("mlflow.db", "workspace.json", ".cache/input-hashes.json")
@@ -138,8 +141,8 @@ def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed
     shutil.rmtree(twin)
     shutil.rmtree(tmp_path / "demo2")
 
-    # Nothing changed: every stage is a cache hit and no output file is touched; the data
-    # stages are Prefect cache hits too, `Cached` in the API (and the UI).
+    # Nothing changed: every stage is a cache hit and no output file is touched; every
+    # stage is a Prefect cache hit too, training and evaluation included: `Cached` in the API.
     rerun = pipeline_flow(cfg, return_state=True)
     second = rerun.result()
     assert {name: s["reused"] for name, s in second.items()} == dict.fromkeys(first, True)
@@ -175,7 +178,7 @@ def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed
     assert third["evaluate"]["finetuned"]["test"] == third["finetune"]["test"]
 
     # The finished workspace and its inputs copied elsewhere (`cp -a`), the originals moved
-    # away: the copy reuses every stage (the data stages `Cached`), rewrites no output, writes
+    # away: the copy reuses every stage (each `Cached`), rewrites no output, writes
     # nothing where the originals were, and loads its registered models from its own store.
     moved, gone = tmp_path / "moved", tmp_path / "gone"
     # As `cp -a` copies: links as links, every file and directory with its times.

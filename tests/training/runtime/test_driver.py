@@ -24,7 +24,7 @@ from tasks.common.ray_runtime import RayConfig
 from tasks.common.stage import plan_output
 from training.pretrain.config import TrainConfig
 from training.pretrain.driver import run_id_for
-from training.runtime.driver import RECORD_FILE, RunIdentity, upstream_ref
+from training.runtime.driver import RECORD_FILE, RunDirectory, RunIdentity, upstream_ref
 from training.runtime.run_context import RunContext
 from training.tracking.runs import TrackingConfig
 
@@ -102,6 +102,25 @@ def test_the_pretraining_key_leaves_out_what_does_not_change_the_result(tmp_path
     assert run_id_for(cfg, 1, examples, tokenizer) != key
     (tokenizer / "vocab.txt").write_text("[PAD]\n[XXX]\n")  # another vocabulary, another run
     assert run_id_for(cfg, 0, examples, tokenizer) != key
+
+
+def test_a_run_is_a_prefect_cache_key_once_published_as_the_call_asks(tmp_path: Path) -> None:
+    from training.pretrain.stage import plan_pretrain_task
+
+    examples, tokenizer = _fake_upstream(tmp_path)
+    cfg, ws = TrainConfig(), tmp_path / "ws"
+    off = RunContext(ws, 0, RayConfig(), TrackingConfig(enabled=False), "t")
+    on = RunContext(ws, 0, RayConfig(), TrackingConfig(tracking_uri="sqlite:///t.db"), "t")
+    out = plan_pretrain_task(cfg, str(examples), str(tokenizer), off)
+    assert out is not None
+    assert out.path.parent == (ws / "pretrain").resolve()
+    run_dir = RunDirectory(out, {}, ws)
+    run_dir.open(keep=False, mlflow_run_id=None)
+    run_dir.commit({"step": 1})  # published with tracking off
+    assert plan_pretrain_task(cfg, str(examples), str(tokenizer), off) == out
+    assert plan_pretrain_task(cfg, str(examples), str(tokenizer), on) is None  # to register
+    run_dir.commit({"step": 1, "model_version": "1"})
+    assert plan_pretrain_task(cfg, str(examples), str(tokenizer), on) == out
 
 
 def test_gc_lists_a_run_of_the_stage_layout_with_the_inputs_its_record_names(
