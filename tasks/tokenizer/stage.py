@@ -202,6 +202,21 @@ def run_tokenizer(
     return out.commit(manifest, built_in=tmp)
 
 
+def vocabulary_shortfall(cfg: TokenizerConfig, reached: int) -> str | None:
+    """What to warn when a trained vocabulary is smaller than `tokenizer.vocab_size`, else None.
+
+    A trainer stops when the text has no more pieces that occur `min_frequency` times: the
+    model is then built for the size reached, not the size asked for.
+    """
+    if cfg.pretrained is not None or reached >= cfg.vocab_size:
+        return None
+    return (
+        f"tokenizer.vocab_size {cfg.vocab_size:,} asked, {reached:,} reached: the training text "
+        f"has no more pieces seen {cfg.min_frequency} times or more (more text, or a lower "
+        "tokenizer.min_frequency, gives more)"
+    )
+
+
 @stage_task(STAGE, plan_tokenizer, complete_manifest)
 def tokenizer_task(cfg: TokenizerConfig, ingest_dir: str, workspace: str) -> dict[str, Any]:
     """Train (or load) the tokenizer, or reuse a complete output; return its summary.
@@ -221,6 +236,9 @@ def tokenizer_task(cfg: TokenizerConfig, ingest_dir: str, workspace: str) -> dic
         metrics["training_s"],
         metrics["documents"],
     )
+    shortfall = None if result.reused else vocabulary_shortfall(cfg, metrics["vocab_size"])
+    if shortfall is not None:
+        get_run_logger().warning(shortfall)
     for name, share in result.manifest.get("language_sampling", {}).get("languages", {}).items():
         get_run_logger().info(
             "language %s: natural share %.4f, target %.4f, realised %.4f "

@@ -115,3 +115,17 @@ def test_auto_tokenizer_loads_each_family_offline(
     if family == "unigram":
         assert loaded.convert_tokens_to_ids("<extra_id_0>") == len(loaded) - 1
         assert encoded["input_ids"][-1] == loaded.eos_token_id == 1
+
+
+def test_a_vocabulary_short_of_its_size_is_named_with_the_size_reached() -> None:
+    from tasks.tokenizer.stage import vocabulary_shortfall
+
+    text = ["the cat sat on the mat", "a dog ran to the cat"] * 50
+    cfg = TokenizerConfig(family="wordpiece", vocab_size=8000)
+    reached = train_tokenizer(iter(text), cfg).get_vocab_size(with_added_tokens=True)
+    assert reached < 8000
+    assert vocabulary_shortfall(cfg, reached) == (
+        f"tokenizer.vocab_size 8,000 asked, {reached:,} reached: the training text has no more "
+        "pieces seen 2 times or more (more text, or a lower tokenizer.min_frequency, gives more)"
+    )
+    assert vocabulary_shortfall(cfg.model_copy(update={"vocab_size": reached}), reached) is None
