@@ -38,7 +38,10 @@ class RayConfig(BaseModel):
         2, ge=1, le=4096, description="Ray tasks a data stage keeps in flight at once."
     )
     num_cpus: int | None = Field(
-        None, ge=1, description="Logical CPUs of a local Ray; default num_workers + 2."
+        None,
+        ge=1,
+        description="Logical CPUs of a local Ray; default the usable cores (at least "
+        "num_workers) + 2.",
     )
     object_store_mb: int = Field(
         256, ge=80, description="Object store size of a local Ray, in MiB."
@@ -136,6 +139,46 @@ def check_storage(cfg: RayConfig, workspace: str | Path) -> None:
         raise StorageError(problem)
 
 
+#: Logical CPUs a local Ray keeps beyond what its workers take, for the tasks that feed them.
+RESERVED_CPUS = 2
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPUs this process's cgroup may use (v2 `cpu.max`, or v1's CFS quota); None: no limit."""
+    v2 = root / "cpu.max"
+    try:
+        if v2.is_file():
+            quota, period = v2.read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, capped by the cgroup's CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity outside Linux
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, int(quota))  # a fraction of a core more is throttled, not used
+    return max(1, cores)
+
+
+def local_ray_cpus(cfg: RayConfig) -> int:
+    """The logical CPUs a local Ray starts with.
+
+    `ray.num_cpus` when set, else the usable cores (at least `ray.num_workers`) plus
+    `RESERVED_CPUS`, so that training workers that take the cores leave room for the tasks
+    that feed them (docs/stack.md).
+    """
+    return cfg.num_cpus or max(cfg.num_workers, usable_cores()) + RESERVED_CPUS
+
+
 def ensure_ray(cfg: RayConfig) -> None:
     """Connect to the configured Ray cluster, or start a local one, unless already connected.
 
@@ -169,7 +212,7 @@ def ensure_ray(cfg: RayConfig) -> None:
         # a second set (measured: 2 idle workers of 80 MiB each, and a slower first task).
         with scoped_environ(env), keep_sigterm_handler():
             ray.init(
-                num_cpus=cfg.num_cpus or cfg.num_workers + 2,
+                num_cpus=local_ray_cpus(cfg),
                 object_store_memory=cfg.object_store_mb << 20,
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",

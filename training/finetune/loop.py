@@ -33,7 +33,7 @@ from training.runtime.deepspeed import adamw_section, engine_config, merge
 from training.runtime.engine import Engine, TorchEngine, initialize_deepspeed
 from training.runtime.progress import connect_progress
 from training.runtime.schedule import GroupLRSchedule
-from training.runtime.worker_context import LoopEntry, WorkerContext
+from training.runtime.worker_context import LoopEntry, WorkerContext, worker_threads
 from training.tracking.runs import MlflowTracker, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def run_finetune_worker(job: FinetuneJob, ctx: WorkerContext) -> dict[str, Any]:
 
     Returns the result rank 0 writes to `<run_dir>/result.json` (every rank returns it).
     """
-    torch.set_num_threads(job.finetune.scale.threads_per_worker)
+    torch.set_num_threads(worker_threads(job.finetune.scale.threads_per_worker))
     return FinetuneWorker(job, ctx).run()
 
 

@@ -28,6 +28,7 @@ from training.finetune.loop import FINETUNE_LOOP, FinetuneJob
 from training.finetune.outputs import RESULT_FILE
 from training.models.config import BaseModelRef
 from training.runtime.driver import EXPORT_DIR, RunDirectory, RunIdentity, upstream_ref
+from training.runtime.launcher import describe_scale, resolve_scale, scale_params
 from training.runtime.progress import ProgressSpec, artifact_key
 from training.runtime.run_context import RunContext
 from training.tracking.model_ref import resolve_base_model
@@ -189,7 +190,9 @@ def finetune_stage(
     done = run_dir.reuse()
     if done is not None:
         return done | {"reused": True}
-    log.info("fine-tuning run %s: %s", run_dir.key, cfg.precision_choice())
+    scale = resolve_scale(cfg.scale, run.ray)
+    precision, scale_text = cfg.precision_choice(), describe_scale(scale)
+    log.info("fine-tuning run %s: %s, %s", run_dir.key, precision, scale_text)
     uri = run.tracking_uri
     task = json.loads((data_dir / "manifest.json").read_text())
     tags = {"stage": STAGE, "finetune_run": run_dir.key, "task_type": task["task_type"]}
@@ -199,10 +202,12 @@ def finetune_stage(
         tracker.log_params(
             flatten({"finetune": cfg.model_dump(mode="json"), "seed": run.seed})
             | {"resolved_precision": cfg.precision, "requested_precision": cfg.requested_precision}
+            | scale_params(scale)
         )
         model = DatasetRef("base_model", identity.inputs["model"], str(model_dir), "training")
         tracker.log_inputs([output_ref("downstream", data_dir, "training"), model])
-        done_run = train(run_dir, cfg, run=run, mlflow_run_id=mlflow_run, progress=progress)
+        resolved = cfg.model_copy(update={"scale": scale})
+        done_run = train(run_dir, resolved, run=run, mlflow_run_id=mlflow_run, progress=progress)
         summary = {"run_dir": str(done_run.run_dir), "export_dir": str(done_run.export_dir)}
         summary |= done_run.result | {"mlflow_run_id": mlflow_run}
         if uri is not None and mlflow_run is not None:

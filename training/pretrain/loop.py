@@ -41,14 +41,14 @@ from training.runtime import checkpoint as ckpt
 from training.runtime import faults
 from training.runtime.engine import autocast_for
 from training.runtime.hooks import Hooks
-from training.runtime.worker_context import LoopEntry, WorkerContext
+from training.runtime.worker_context import LoopEntry, WorkerContext, worker_threads
 
 log = logging.getLogger(__name__)
 
 
 def run_worker(job: WorkerJob, ctx: WorkerContext) -> dict[str, float]:
     """Train until `max_steps` (or `stop_at_step`); return the last evaluation's metrics."""
-    torch.set_num_threads(job.train.scale.threads_per_worker)
+    torch.set_num_threads(worker_threads(job.train.scale.threads_per_worker))
     worker = Worker(job, ctx)
     return worker.run()
 

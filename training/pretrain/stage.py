@@ -47,7 +47,9 @@ from training.pretrain.driver import STAGE, RunControl, TrainingRun, plan_pretra
 from training.pretrain.losses import export_loss
 from training.pretrain.pretraining_model import build_export_model
 from training.runtime import checkpoint as ckpt
+from training.runtime.config import ScaleConfig
 from training.runtime.driver import EXPORT_DIR
+from training.runtime.launcher import describe_scale, resolve_scale, scale_params
 from training.runtime.progress import ProgressSpec, artifact_key
 from training.runtime.run_context import RunContext
 from training.scoring.plots import loss_curve_png, step_history
@@ -197,12 +199,14 @@ def pretrain_stage(
     done = run_dir.reuse(registered=run.tracking_uri is not None)
     if done is not None and not control.stop_at_step:
         return done | {"reused": True}
+    scale = resolve_scale(cfg.scale, run.ray)
     log.info(
-        "pretraining run %s: %s, attention %s (train.attention %s)",
+        "pretraining run %s: %s, attention %s (train.attention %s), %s",
         run_dir.key,
         cfg.precision_choice(),
         cfg.document_attention(),
         cfg.attention,
+        describe_scale(scale),
     )
     tags = {"stage": STAGE, "train_run": run_dir.key, "family": cfg.model.family}
     name, resumed = f"{run.name}-pretrain", run_dir.record().get("mlflow_run_id")
@@ -211,8 +215,9 @@ def pretrain_stage(
     ) as tracker:
         mlflow_run = tracker.run_id or resumed
         if resumed is None:
-            _log_start(tracker, cfg, examples_dir, tokenizer_dir)
-        trained = train(run_dir, cfg, run=run, mlflow_run_id=mlflow_run, control=control)
+            _log_start(tracker, cfg, scale, (examples_dir, tokenizer_dir))
+        resolved = cfg.model_copy(update={"scale": scale})
+        trained = train(run_dir, resolved, run=run, mlflow_run_id=mlflow_run, control=control)
         summary = _summary(trained) | {"mlflow_run_id": mlflow_run}
         if trained.finished:
             summary |= _publish(trained, cfg, run, mlflow_run, examples_dir, tokenizer_dir)
@@ -224,13 +229,22 @@ def pretrain_stage(
 
 
 def _log_start(
-    tracker: MlflowTracker | NullTracker, cfg: TrainConfig, examples_dir: Path, tokenizer_dir: Path
+    tracker: MlflowTracker | NullTracker,
+    cfg: TrainConfig,
+    scale: ScaleConfig,
+    inputs: tuple[Path, Path],
 ) -> None:
-    """Log a new run's params and its inputs: the examples and the tokenizer it trains on."""
+    """Log a new run's params and its inputs: the examples and the tokenizer it trains on.
+
+    `cfg` as asked for, and what its `auto` settings resolved to: precision, attention, and
+    `scale`'s CPUs and threads per worker.
+    """
+    examples_dir, tokenizer_dir = inputs
     tracker.log_params(
         flatten({"train": cfg.model_dump(mode="json")})
         | {"resolved_precision": cfg.precision, "requested_precision": cfg.requested_precision}
         | {"resolved_attention": cfg.document_attention()}
+        | scale_params(scale)
     )
     tracker.log_inputs(
         [

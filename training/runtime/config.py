@@ -47,8 +47,17 @@ class ScaleConfig(BaseModel):
         "else ray.",
     )
     use_gpu: bool = Field(False, description="One GPU per worker.")
-    cpus_per_worker: float = Field(1, gt=0, description="Logical CPUs Ray reserves per worker.")
-    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per worker.")
+    cpus_per_worker: float | Literal["auto"] = Field(
+        "auto",
+        description="Logical CPUs Ray reserves per worker. auto: on a local Ray, the usable "
+        "cores (CPU affinity, capped by the cgroup's CPU quota) divided among the workers; on "
+        "a cluster, the smallest node's CPUs divided among the workers it hosts.",
+    )
+    threads_per_worker: int | Literal["auto"] = Field(
+        "auto",
+        description="torch intra-op threads per worker. auto: the CPUs the worker has (in "
+        "this process: the usable cores).",
+    )
     max_failures: int = Field(
         2, ge=-1, description="Worker-group restarts from the latest checkpoint (-1: no limit)."
     )
@@ -66,6 +75,16 @@ class ScaleConfig(BaseModel):
         "report waits for it, so every checkpoint or epoch report can wait this long; Ray's "
         "own default of 2 s dominated short runs.",
     )
+
+    @model_validator(mode="after")
+    def _positive_counts(self) -> Self:
+        if self.cpus_per_worker != "auto" and self.cpus_per_worker <= 0:
+            raise ValueError(f"cpus_per_worker must be > 0 or auto, not {self.cpus_per_worker}")
+        if self.threads_per_worker != "auto" and self.threads_per_worker < 1:
+            raise ValueError(
+                f"threads_per_worker must be >= 1 or auto, not {self.threads_per_worker}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _in_process_is_one_worker(self) -> Self:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks.common.ray_runtime import RayConfig, ensure_ray
+from tasks.common.ray_runtime import RESERVED_CPUS, RayConfig, ensure_ray, usable_cores
 from training.runtime.config import ScaleConfig
 from training.runtime.progress import ProgressSpec, driver_progress, in_process_progress
 from training.runtime.worker_context import (
@@ -56,10 +56,61 @@ def resolve_launcher(scale: ScaleConfig, ray_cfg: RayConfig) -> Literal["ray", "
     """
     if scale.launcher != "auto":
         return scale.launcher
-    cluster = ray_cfg.address is not None or bool(os.environ.get("RAY_ADDRESS"))
-    if scale.num_workers == 1 and scale.max_failures == 0 and not cluster:
+    if scale.num_workers == 1 and scale.max_failures == 0 and not _on_cluster(ray_cfg):
         return "in_process"
     return "ray"
+
+
+def resolve_scale(scale: ScaleConfig, ray_cfg: RayConfig) -> ScaleConfig:
+    """`scale` with `auto` CPUs and threads per worker made numbers for where its workers run.
+
+    In this process (`resolve_launcher`): the usable cores (`usable_cores`: the CPU affinity,
+    capped by the cgroup's CPU quota). On Ray Train: the CPUs each worker can have, on a local
+    Ray the usable cores, at most Ray's own CPUs less those it keeps for the tasks that feed the
+    workers, divided among the workers; on a cluster, the smallest node's CPUs divided among
+    the workers it hosts. Threads: the worker's CPUs. Connects to Ray (or starts the local one)
+    when the workers run there.
+    """
+    cpus, threads = scale.cpus_per_worker, scale.threads_per_worker
+    if cpus == "auto":
+        in_process = resolve_launcher(scale, ray_cfg) == "in_process"
+        each = usable_cores() if in_process else _ray_cpus_per_worker(scale.num_workers, ray_cfg)
+        cpus = float(each)
+    if threads == "auto":
+        threads = max(1, int(cpus))
+    return scale.model_copy(update={"cpus_per_worker": cpus, "threads_per_worker": threads})
+
+
+def _ray_cpus_per_worker(num_workers: int, ray_cfg: RayConfig) -> int:
+    import ray
+
+    ensure_ray(ray_cfg)
+    nodes = [float(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
+    if not _on_cluster(ray_cfg):  # the local Ray: this machine's cores
+        free = min(usable_cores(), int(sum(nodes)) - RESERVED_CPUS)
+        return max(1, free // num_workers)
+    per_node = -(-num_workers // max(1, len(nodes)))  # the workers of the fullest node
+    return max(1, int(min(nodes, default=1)) // per_node)
+
+
+def _on_cluster(ray_cfg: RayConfig) -> bool:
+    return ray_cfg.address is not None or bool(os.environ.get("RAY_ADDRESS"))
+
+
+def describe_scale(scale: ScaleConfig) -> str:
+    """`scale` in words, for the first line of a run: workers, CPUs and threads each."""
+    workers = f"{scale.num_workers} worker{'s' if scale.num_workers != 1 else ''}"
+    cpus = scale.cpus_per_worker
+    cpus_text = cpus if isinstance(cpus, str) else f"{cpus:g}"
+    return f"{workers} of {cpus_text} CPU(s), {scale.threads_per_worker} thread(s) each"
+
+
+def scale_params(scale: ScaleConfig) -> dict[str, Any]:
+    """The MLflow params of what `resolve_scale` chose: CPUs and threads per worker."""
+    return {
+        "resolved_cpus_per_worker": scale.cpus_per_worker,
+        "resolved_threads_per_worker": scale.threads_per_worker,
+    }
 
 
 def fit(
@@ -72,9 +123,12 @@ def fit(
 ) -> None:
     """Run `entry`'s loop on `job` where `resolve_launcher` says; `run_dir` is its run's.
 
+    `auto` CPUs and threads in `scale` are resolved first (`resolve_scale`).
+
     Raises:
         RuntimeError: training failed (on Ray, after `scale.max_failures` restarts).
     """
+    scale = resolve_scale(scale, ray_cfg)
     if resolve_launcher(scale, ray_cfg) == "in_process":
         fit_in_process(entry, job, scale, run_dir, progress)
     else:

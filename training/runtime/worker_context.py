@@ -10,15 +10,16 @@ launcher, `train.scale.launcher`, and the GPU benchmark's plain process), on the
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from tasks.common.ray_runtime import scoped_environ
+from tasks.common.ray_runtime import scoped_environ, usable_cores
 
 #: NCCL moves CUDA tensors only. The loops' small reductions of Python numbers (step and
 #: evaluation sums, fine-tuning statistics) are CPU tensors, so a GPU group carries gloo too.
@@ -32,6 +33,24 @@ def torch_backend(backend: str | None, use_gpu: bool) -> str:
     """
     choice = backend or ("nccl" if use_gpu else "gloo")
     return GPU_BACKEND if choice == "nccl" else choice
+
+
+def worker_threads(threads_per_worker: int | Literal["auto"]) -> int:
+    """The torch threads this worker uses: the number given, or for `auto` the CPUs it has.
+
+    A Ray Train worker has the CPUs Ray assigned it; a worker in the driver's process (or in
+    a plain process) has the usable cores (`usable_cores`). The launchers resolve `auto`
+    before the job starts (`training.runtime.launcher.resolve_scale`); this is for a loop
+    started with an unresolved job.
+    """
+    if threads_per_worker != "auto":
+        return threads_per_worker
+    ray = sys.modules.get("ray")  # a Ray worker has imported it; a plain process need not
+    if ray is not None and ray.is_initialized():
+        context = ray.get_runtime_context()
+        if context.worker.mode == ray.WORKER_MODE:  # a Ray actor or task, not the driver
+            return max(1, int(context.get_assigned_resources().get("CPU", 1)))
+    return usable_cores()
 
 
 class WorkerContext(Protocol):

@@ -2,14 +2,18 @@ from pathlib import Path
 
 import pytest
 
+from tasks.common import ray_runtime
 from tasks.common.ray_runtime import (
     RayConfig,
+    cgroup_cpu_quota,
     check_storage,
     is_remote_uri,
     keep_sigterm_handler,
+    local_ray_cpus,
     run_units,
     scoped_environ,
     storage_problem,
+    usable_cores,
 )
 
 
@@ -154,3 +158,35 @@ def test_one_work_unit_runs_here_without_starting_ray(monkeypatch: pytest.Monkey
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     with pytest.raises(AssertionError, match=r"ray.init was called"):
         run_units(_square, [1], local)  # a cluster is configured: the work goes there
+
+
+@pytest.mark.parametrize(
+    ("files", "quota"),
+    [
+        ({"cpu.max": "150000 100000\n"}, 1.5),
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3.0),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
+def test_the_cgroup_cpu_quota_is_read_from_v2_or_v1(
+    files: dict[str, str], quota: float | None, tmp_path: Path
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_quota(tmp_path) == quota
+
+
+@pytest.mark.parametrize(
+    ("affinity", "quota", "cores"), [(8, None, 8), (8, 2.5, 2), (2, 6.0, 2), (4, 0.5, 1)]
+)
+def test_usable_cores_are_the_affinity_capped_by_the_quota(
+    affinity: int, quota: float | None, cores: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(affinity)))
+    monkeypatch.setattr(ray_runtime, "cgroup_cpu_quota", lambda: quota)
+    assert usable_cores() == cores
+    assert local_ray_cpus(RayConfig(num_workers=2)) == max(2, cores) + 2
+    assert local_ray_cpus(RayConfig(num_workers=2, num_cpus=3)) == 3

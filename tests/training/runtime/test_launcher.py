@@ -78,6 +78,48 @@ def test_in_process_refuses_what_it_cannot_do(scale: dict[str, Any], message: st
         ScaleConfig.model_validate(scale | {"launcher": "in_process"})
 
 
+def test_auto_cpus_and_threads_follow_the_cores_where_the_workers_run(
+    ray_session: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 3)
+    here = launcher.resolve_scale(ScaleConfig(num_workers=1, max_failures=0), NO_CLUSTER)
+    assert (here.cpus_per_worker, here.threads_per_worker) == (3, 3)  # the one worker: all
+    ray_cpus = int(ray.cluster_resources()["CPU"])  # the session's local Ray
+    for workers in (1, 2):
+        scale = launcher.resolve_scale(ScaleConfig(num_workers=workers), NO_CLUSTER)
+        each = max(1, min(3, ray_cpus - 2) // workers)  # 2 kept for the tasks that feed them
+        assert (scale.cpus_per_worker, scale.threads_per_worker) == (each, each)
+    given = ScaleConfig(num_workers=2, cpus_per_worker=1.5, threads_per_worker=4)
+    assert launcher.resolve_scale(given, NO_CLUSTER) == given
+    half = launcher.resolve_scale(ScaleConfig(num_workers=2, cpus_per_worker=2.5), NO_CLUSTER)
+    assert half.threads_per_worker == 2
+    assert launcher.describe_scale(half) == "2 workers of 2.5 CPU(s), 2 thread(s) each"
+    assert launcher.scale_params(half) == {
+        "resolved_cpus_per_worker": 2.5,
+        "resolved_threads_per_worker": 2,
+    }
+    with pytest.raises(ValidationError, match="threads_per_worker must be >= 1 or auto"):
+        ScaleConfig(threads_per_worker=0)
+
+
+def test_a_ray_train_worker_started_with_auto_threads_takes_the_cpus_ray_gave_it(
+    ray_session: str,
+) -> None:
+    import ray
+
+    from training.runtime.worker_context import worker_threads
+
+    @ray.remote(num_cpus=2)
+    def threads() -> int:
+        return worker_threads("auto")
+
+    assert ray.get(threads.remote()) == 2
+    assert worker_threads(3) == 3
+
+
 class _Job(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     seed: int
