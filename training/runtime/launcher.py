@@ -15,7 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks.common.ray_runtime import RESERVED_CPUS, RayConfig, ensure_ray, usable_cores
+from tasks.common.ray_runtime import (
+    LOOPBACK_HOSTS,
+    RESERVED_CPUS,
+    RayConfig,
+    address_host,
+    ensure_ray,
+    usable_cores,
+)
 from training.runtime.config import ScaleConfig
 from training.runtime.progress import ProgressSpec, driver_progress, in_process_progress
 from training.runtime.worker_context import (
@@ -65,11 +72,11 @@ def resolve_scale(scale: ScaleConfig, ray_cfg: RayConfig) -> ScaleConfig:
     """`scale` with `auto` CPUs and threads per worker made numbers for where its workers run.
 
     In this process (`resolve_launcher`): the usable cores (`usable_cores`: the CPU affinity,
-    capped by the cgroup's CPU quota). On Ray Train: the CPUs each worker can have, on a local
-    Ray the usable cores, at most Ray's own CPUs less those it keeps for the tasks that feed the
-    workers, divided among the workers; on a cluster, the smallest node's CPUs divided among
-    the workers it hosts. Threads: the worker's CPUs. Connects to Ray (or starts the local one)
-    when the workers run there.
+    capped by the cgroup's CPU quota). On Ray Train: the CPUs each worker can have, on a Ray
+    of this machine (no address, or a loopback one) the usable cores, at most Ray's own CPUs
+    less those it keeps for the tasks that feed the workers, divided among the workers; on a
+    cluster, the smallest node's CPUs divided among the workers it hosts. Threads: the
+    worker's CPUs. Connects to Ray (or starts the local one) when the workers run there.
     """
     cpus, threads = scale.cpus_per_worker, scale.threads_per_worker
     if cpus == "auto":
@@ -86,7 +93,8 @@ def _ray_cpus_per_worker(num_workers: int, ray_cfg: RayConfig) -> int:
 
     ensure_ray(ray_cfg)
     nodes = [float(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")]
-    if not _on_cluster(ray_cfg):  # the local Ray: this machine's cores
+    address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
+    if address is None or address_host(address) in LOOPBACK_HOSTS:  # a Ray on this machine
         free = min(usable_cores(), int(sum(nodes)) - RESERVED_CPUS)
         return max(1, free // num_workers)
     per_node = -(-num_workers // max(1, len(nodes)))  # the workers of the fullest node

@@ -92,6 +92,9 @@ def test_auto_cpus_and_threads_follow_the_cores_where_the_workers_run(
         scale = launcher.resolve_scale(ScaleConfig(num_workers=workers), NO_CLUSTER)
         each = max(1, min(3, ray_cpus - 2) // workers)  # 2 kept for the tasks that feed them
         assert (scale.cpus_per_worker, scale.threads_per_worker) == (each, each)
+        # The same Ray joined by its loopback address is this machine's too: the same numbers.
+        joined = RayConfig(address=ray_session)
+        assert launcher.resolve_scale(ScaleConfig(num_workers=workers), joined) == scale
     given = ScaleConfig(num_workers=2, cpus_per_worker=1.5, threads_per_worker=4)
     assert launcher.resolve_scale(given, NO_CLUSTER) == given
     half = launcher.resolve_scale(ScaleConfig(num_workers=2, cpus_per_worker=2.5), NO_CLUSTER)
