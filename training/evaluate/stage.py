@@ -304,15 +304,15 @@ def evaluate_task(
     model's test metrics. Cached in Prefect on the fingerprint while the output is complete,
     as the data stages are (`tasks.common.caching`).
     """
-    examples_paths = (Path(examples[0]), Path(examples[1])) if examples else None
-    task_path = Path(task_dir) if task_dir else None
-    out = plan_evaluation(Path(model_dir), cfg, examples_paths, task_path, finetuned, run=run)
+    out = plan_evaluate_task(model_dir, cfg, run, examples, task_dir, finetuned)
     done = out.reuse(complete_manifest)
     if done is not None:
         log.info("evaluation %s already done: reused", out.fingerprint)
         summary = relocate_record(done["summary"], run.workspace)  # the workspace may have moved
         return dict(summary) | {"path": str(out.path), "reused": True}
     tmp = out.open_temp_dir()
+    examples_paths = (Path(examples[0]), Path(examples[1])) if examples else None
+    task_path = Path(task_dir) if task_dir else None
     key = artifact_key(f"{run.name}-evaluate-progress")
     result = evaluate_model(
         Path(model_dir),

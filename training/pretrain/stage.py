@@ -48,7 +48,7 @@ from training.pretrain.losses import export_loss
 from training.pretrain.pretraining_model import build_export_model
 from training.runtime import checkpoint as ckpt
 from training.runtime.config import ScaleConfig
-from training.runtime.driver import EXPORT_DIR
+from training.runtime.driver import EXPORT_DIR, published
 from training.runtime.launcher import describe_scale, resolve_scale, scale_params
 from training.runtime.progress import ProgressSpec, artifact_key
 from training.runtime.run_context import RunContext
@@ -312,8 +312,8 @@ def plan_pretrain_task(
     run_dir = plan_pretrain(
         cfg, Path(examples_dir), Path(tokenizer_dir), run=run, teacher_dir=teacher_dir
     )
-    published = run_dir.reuse()
-    if published is not None and run.tracking_uri is not None and "model_version" not in published:
+    done = run_dir.reuse()
+    if done is not None and not published(done, registered=run.tracking_uri is not None):
         return None
     return run_dir.out
 

@@ -50,6 +50,11 @@ def upstream_ref(fingerprint: str, path: Path) -> dict[str, str]:
     return {"fingerprint": fingerprint, "path": str(path.resolve())}
 
 
+def published(summary: dict[str, Any], *, registered: bool) -> bool:
+    """Whether a finished run's summary counts as published: registered, when that is asked."""
+    return not registered or "model_version" in summary
+
+
 @dataclass(frozen=True)
 class RunIdentity:
     """What keys a training run: its inputs, config and seed, and where the inputs are.
@@ -116,9 +121,7 @@ class RunDirectory:
         if manifest is None:
             return None
         summary: dict[str, Any] = relocate_record(manifest["summary"], self.workspace)
-        if registered and "model_version" not in summary:
-            return None
-        return summary
+        return summary if published(summary, registered=registered) else None
 
     def record(self) -> dict[str, Any]:
         """What an earlier call recorded on opening this run (`{}` if none)."""
