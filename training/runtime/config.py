@@ -37,14 +37,19 @@ class ScaleConfig(BaseModel):
     """How many workers, what each gets, and where they run (Ray Train or this process)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks).")
+    num_workers: int | Literal["auto"] = Field(
+        "auto",
+        description="Data-parallel workers (ranks). auto: with use_gpu, one per GPU (this "
+        "machine's, or the Ray cluster's at ray.address); without, one, which takes every "
+        "usable core (threads_per_worker auto).",
+    )
     launcher: Literal["auto", "ray", "in_process"] = Field(
         "auto",
         description="Where the workers run. ray: Ray Train workers, restarted from the last "
         "checkpoint on failure (max_failures), on a cluster when ray.address is set. "
         "in_process: one worker in this process, without starting Ray Train (no restarts). "
-        "auto: in_process for one worker with max_failures 0 and no Ray cluster address, "
-        "else ray.",
+        "auto: in_process for one worker with max_failures 0 or auto and no Ray cluster "
+        "address, else ray.",
     )
     use_gpu: bool = Field(False, description="One GPU per worker.")
     cpus_per_worker: float | Literal["auto"] = Field(
@@ -58,8 +63,10 @@ class ScaleConfig(BaseModel):
         description="torch intra-op threads per worker. auto: the CPUs the worker has (in "
         "this process: the usable cores).",
     )
-    max_failures: int = Field(
-        2, ge=-1, description="Worker-group restarts from the latest checkpoint (-1: no limit)."
+    max_failures: int | Literal["auto"] = Field(
+        "auto",
+        description="Worker-group restarts from the latest checkpoint on Ray Train (-1: no "
+        "limit). auto: 2 on Ray Train, 0 in this process (which cannot restart).",
     )
     backend: Literal["gloo", "nccl"] | None = Field(
         None,
@@ -78,6 +85,10 @@ class ScaleConfig(BaseModel):
 
     @model_validator(mode="after")
     def _positive_counts(self) -> Self:
+        if self.num_workers != "auto" and self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1 or auto, not {self.num_workers}")
+        if self.max_failures != "auto" and self.max_failures < -1:
+            raise ValueError(f"max_failures must be >= -1 or auto, not {self.max_failures}")
         if self.cpus_per_worker != "auto" and self.cpus_per_worker <= 0:
             raise ValueError(f"cpus_per_worker must be > 0 or auto, not {self.cpus_per_worker}")
         if self.threads_per_worker != "auto" and self.threads_per_worker < 1:
@@ -90,12 +101,12 @@ class ScaleConfig(BaseModel):
     def _in_process_is_one_worker(self) -> Self:
         if self.launcher != "in_process":
             return self
-        if self.num_workers != 1:
+        if self.num_workers not in (1, "auto"):
             raise ValueError(
                 f"launcher in_process runs one worker in this process, not num_workers "
                 f"{self.num_workers}: set num_workers to 1, or launcher to ray"
             )
-        if self.max_failures != 0:
+        if self.max_failures not in (0, "auto"):
             raise ValueError(
                 f"launcher in_process cannot restart a failed worker (max_failures "
                 f"{self.max_failures}): set max_failures to 0, or launcher to ray"

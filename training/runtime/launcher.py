@@ -41,6 +41,7 @@ class RunStateError(RuntimeError):
 
 
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+AUTO_RESTARTS = 2  # `max_failures: auto` on Ray Train
 
 
 def set_report_poll(scale: ScaleConfig) -> None:
@@ -57,35 +58,66 @@ def set_report_poll(scale: ScaleConfig) -> None:
 def resolve_launcher(scale: ScaleConfig, ray_cfg: RayConfig) -> Literal["ray", "in_process"]:
     """Where `scale`'s workers run: `scale.launcher`, with `auto` resolved.
 
-    `auto` runs in this process when that loses nothing: one worker, no restarts asked for
-    (`max_failures` 0) and no Ray cluster to run on (`ray.address`, `RAY_ADDRESS`). Starting
-    Ray Train costs a one-worker run 15-30 s on a small machine (docs/pretraining.md).
+    `auto` runs in this process when that loses nothing: one worker (`num_workers` 1, or
+    `auto` resolving to one), no restarts asked for (`max_failures` 0 or `auto`) and no Ray
+    cluster to run on (`ray.address`, `RAY_ADDRESS`). Starting Ray Train costs a one-worker
+    run 15-30 s on a small machine (docs/pretraining.md).
     """
     if scale.launcher != "auto":
         return scale.launcher
-    if scale.num_workers == 1 and scale.max_failures == 0 and not _on_cluster(ray_cfg):
+    one = resolve_workers(scale, ray_cfg) == 1
+    if one and scale.max_failures in (0, "auto") and not _on_cluster(ray_cfg):
         return "in_process"
     return "ray"
 
 
-def resolve_scale(scale: ScaleConfig, ray_cfg: RayConfig) -> ScaleConfig:
-    """`scale` with `auto` CPUs and threads per worker made numbers for where its workers run.
+def resolve_workers(scale: ScaleConfig, ray_cfg: RayConfig) -> int:
+    """`scale.num_workers`, with `auto` made a number: a worker per GPU, or one on CPUs.
 
-    In this process (`resolve_launcher`): the usable cores (`usable_cores`: the CPU affinity,
-    capped by the cgroup's CPU quota). On Ray Train: the CPUs each worker can have, on a Ray
-    of this machine (no address, or a loopback one) the usable cores, at most Ray's own CPUs
-    less those it keeps for the tasks that feed the workers, divided among the workers; on a
-    cluster, the smallest node's CPUs divided among the workers it hosts. Threads: the
-    worker's CPUs. Connects to Ray (or starts the local one) when the workers run there.
+    With `use_gpu`, the GPUs of the Ray cluster at `ray.address` (`RAY_ADDRESS`), else this
+    machine's. Without, one worker: on CPUs it takes every usable core as torch threads, and
+    more processes would only add the gradients' all-reduce to the same cores.
     """
+    if scale.num_workers != "auto":
+        return scale.num_workers
+    if not scale.use_gpu:
+        return 1
+    if _on_cluster(ray_cfg):
+        import ray
+
+        ensure_ray(ray_cfg)
+        gpus = sum(float(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive"))
+        return max(1, int(gpus))
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def resolve_scale(scale: ScaleConfig, ray_cfg: RayConfig) -> ScaleConfig:
+    """`scale` with every `auto` made a number for where its workers run.
+
+    Workers: `resolve_workers`. Restarts: 2 on Ray Train, none in this process. CPUs per
+    worker in this process (`resolve_launcher`): the usable cores (`usable_cores`: the CPU
+    affinity, capped by the cgroup's CPU quota). On Ray Train: the CPUs each worker can have,
+    on a Ray of this machine (no address, or a loopback one) the usable cores, at most Ray's
+    own CPUs less those it keeps for the tasks that feed the workers, divided among the
+    workers; on a cluster, the smallest node's CPUs divided among the workers it hosts.
+    Threads: the worker's CPUs. Connects to Ray (or starts the local one) when the workers
+    run there.
+    """
+    workers = resolve_workers(scale, ray_cfg)
+    in_process = resolve_launcher(scale, ray_cfg) == "in_process"
+    failures = scale.max_failures
+    if failures == "auto":
+        failures = 0 if in_process else AUTO_RESTARTS
     cpus, threads = scale.cpus_per_worker, scale.threads_per_worker
     if cpus == "auto":
-        in_process = resolve_launcher(scale, ray_cfg) == "in_process"
-        each = usable_cores() if in_process else _ray_cpus_per_worker(scale.num_workers, ray_cfg)
+        each = usable_cores() if in_process else _ray_cpus_per_worker(workers, ray_cfg)
         cpus = float(each)
     if threads == "auto":
         threads = max(1, int(cpus))
-    return scale.model_copy(update={"cpus_per_worker": cpus, "threads_per_worker": threads})
+    update = {"num_workers": workers, "max_failures": failures, "cpus_per_worker": cpus}
+    return scale.model_copy(update=update | {"threads_per_worker": threads})
 
 
 def _ray_cpus_per_worker(num_workers: int, ray_cfg: RayConfig) -> int:
@@ -114,8 +146,10 @@ def describe_scale(scale: ScaleConfig) -> str:
 
 
 def scale_params(scale: ScaleConfig) -> dict[str, Any]:
-    """The MLflow params of what `resolve_scale` chose: CPUs and threads per worker."""
+    """The MLflow params of what `resolve_scale` chose: workers, restarts, CPUs, threads."""
     return {
+        "resolved_num_workers": scale.num_workers,
+        "resolved_max_failures": scale.max_failures,
         "resolved_cpus_per_worker": scale.cpus_per_worker,
         "resolved_threads_per_worker": scale.threads_per_worker,
     }

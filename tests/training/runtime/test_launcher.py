@@ -39,6 +39,10 @@ NO_CLUSTER = RayConfig(num_workers=2, num_cpus=4)
     ("scale", "ray_cfg", "env", "expected"),
     [
         ({"num_workers": 1, "max_failures": 0}, NO_CLUSTER, None, "in_process"),
+        ({}, NO_CLUSTER, None, "in_process"),  # the defaults: one worker, no restarts asked
+        ({}, RayConfig(address="ray://h:10001"), None, "ray"),
+        ({"max_failures": 2}, NO_CLUSTER, None, "ray"),
+        ({"num_workers": 2}, NO_CLUSTER, None, "ray"),
         ({"num_workers": 1, "max_failures": 0}, RayConfig(address="ray://h:10001"), None, "ray"),
         ({"num_workers": 1, "max_failures": 0}, NO_CLUSTER, "10.0.0.1:6379", "ray"),
         ({"num_workers": 1, "max_failures": 2}, NO_CLUSTER, None, "ray"),
@@ -89,23 +93,42 @@ def test_auto_cpus_and_threads_follow_the_cores_where_the_workers_run(
     assert (here.cpus_per_worker, here.threads_per_worker) == (3, 3)  # the one worker: all
     ray_cpus = int(ray.cluster_resources()["CPU"])  # the session's local Ray
     for workers in (1, 2):
-        scale = launcher.resolve_scale(ScaleConfig(num_workers=workers), NO_CLUSTER)
+        on_ray = ScaleConfig(num_workers=workers, max_failures=2)  # restarts: Ray Train
+        scale = launcher.resolve_scale(on_ray, NO_CLUSTER)
         each = max(1, min(3, ray_cpus - 2) // workers)  # 2 kept for the tasks that feed them
         assert (scale.cpus_per_worker, scale.threads_per_worker) == (each, each)
         # The same Ray joined by its loopback address is this machine's too: the same numbers.
         joined = RayConfig(address=ray_session)
-        assert launcher.resolve_scale(ScaleConfig(num_workers=workers), joined) == scale
-    given = ScaleConfig(num_workers=2, cpus_per_worker=1.5, threads_per_worker=4)
+        assert launcher.resolve_scale(on_ray, joined) == scale
+    given = ScaleConfig(num_workers=2, max_failures=1, cpus_per_worker=1.5, threads_per_worker=4)
     assert launcher.resolve_scale(given, NO_CLUSTER) == given
     half = launcher.resolve_scale(ScaleConfig(num_workers=2, cpus_per_worker=2.5), NO_CLUSTER)
     assert half.threads_per_worker == 2
     assert launcher.describe_scale(half) == "2 workers of 2.5 CPU(s), 2 thread(s) each"
     assert launcher.scale_params(half) == {
+        "resolved_num_workers": 2,
+        "resolved_max_failures": 2,  # auto on Ray Train
         "resolved_cpus_per_worker": 2.5,
         "resolved_threads_per_worker": 2,
     }
     with pytest.raises(ValidationError, match="threads_per_worker must be >= 1 or auto"):
         ScaleConfig(threads_per_worker=0)
+
+
+def test_the_default_scale_is_one_in_process_worker_on_every_usable_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 3)
+    scale = launcher.resolve_scale(ScaleConfig(), NO_CLUSTER)
+    assert (scale.num_workers, scale.max_failures) == (1, 0)
+    assert (scale.cpus_per_worker, scale.threads_per_worker) == (3, 3)
+    assert launcher.resolve_launcher(scale, NO_CLUSTER) == "in_process"
+    # use_gpu without a GPU here: one worker per GPU, at least one.
+    assert launcher.resolve_workers(ScaleConfig(use_gpu=True), NO_CLUSTER) == 1
+    assert ScaleConfig(launcher="in_process").max_failures == "auto"  # auto fits in_process
+    with pytest.raises(ValidationError, match="num_workers must be >= 1 or auto"):
+        ScaleConfig(num_workers=0)
 
 
 def test_a_ray_train_worker_started_with_auto_threads_takes_the_cpus_ray_gave_it(
