@@ -1,0 +1,230 @@
+"""lmpipe's training step against a plain AdamW loop over the same transformers module.
+
+Usage: python bench/step_overhead.py [--shape nanogpt,bert-mini] [--warmup 10] [--steps 60]
+                                     [--precision fp32] [--work DIR] [--json OUT]
+
+For each shape, in one subprocess of its own, lmpipe's `Worker.train_step`
+(training/pretrain/loop.py, the step `lmpipe pretrain` takes by default: one worker, ZeRO 0,
+in this process, the recipe's precision) and a plain loop take their steps interleaved, in
+alternating order, so that drift in the machine's load falls on both alike. Both get the same
+module (the plain loop's is a copy of the worker's, with its initial weights), the same
+threads (the usable cores: what `threads_per_worker: auto` gives the one worker) and the same
+batches, in the same order. The plain loop is what a user writes: the loss of the module's
+objective (`training.pretrain.losses.pretraining_loss`), `backward`, `clip_grad_norm_`, torch's
+fused AdamW, `zero_grad`; its batches are built before it is timed, while lmpipe's step builds
+its own (its data path is inside its time).
+
+Shapes:
+- `nanogpt`: `GPT2LMHeadModel` at nanoGPT's CPU recipe (configs/shakespeare_char.yaml: 4 layers,
+  4 heads, 128 dims, blocks of 64, batch 12), on its Tiny Shakespeare examples;
+- `bert-mini`: `BertForPreTraining` at BERT-mini's shape (4 layers, 256 dims, 4 heads, FFN
+  1024), batch 32 x 128 tokens, on bench/pretrain_data.py's BERT examples (static masks).
+
+Reported per shape: the median ms per step of each and lmpipe's tokens/s over the plain
+loop's (the inverse ratio of the medians). docs/benchmarks.md, "Step overhead", has figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+SHAKESPEARE = ROOT / "configs" / "shakespeare_char.yaml"
+
+
+def shakespeare_examples(work: Path) -> dict[str, Any]:
+    """The recipe's examples and tokenizer, cut by lmpipe's stages (reused when complete)."""
+    from pretrain_data import WORKERS
+
+    from pipelines.config import load_config
+    from tasks.common.ray_runtime import RayConfig
+    from tasks.encode.stage import run_encode
+    from tasks.examples.stage import run_examples
+    from tasks.ingest.stage import run_ingest
+    from tasks.tokenizer.stage import run_tokenizer
+
+    cfg = load_config(SHAKESPEARE, [])
+    source = cfg.ingest.sources[0].model_copy(
+        update={"path": str(ROOT / cfg.ingest.sources[0].path)}
+    )
+    ingest_cfg = cfg.ingest.model_copy(update={"sources": [source]})
+    ray_cfg, ws = RayConfig(num_workers=WORKERS), work / "shakespeare"
+    ingest = run_ingest(ingest_cfg, ray_cfg, ws)
+    tokenizer = run_tokenizer(cfg.tokenizer, ingest.path, ws)
+    encode = run_encode(cfg.encode, ray_cfg, ingest.path, tokenizer.path, ws)
+    examples = run_examples(cfg.examples, cfg.seed, ray_cfg, encode.path, tokenizer.path, ws)
+    import ray
+
+    ray.shutdown()
+    return {
+        "examples_dir": str(examples.path),
+        "tokenizer_dir": str(tokenizer.path),
+        "train": cfg.train.model_dump(mode="json"),
+    }
+
+
+def bert_examples(work: Path) -> dict[str, Any]:
+    """bench/pretrain_throughput.py's BERT examples and its model section, ZeRO 0."""
+    from pretrain_cpu_arms import BATCH, model_section
+    from pretrain_data import prepare_examples
+
+    data = prepare_examples(work / "bert")
+    train = {"model": model_section().model_dump(mode="json"), "global_batch_size": BATCH}
+    return {**data, "train": train}
+
+
+SHAPES = {"nanogpt": shakespeare_examples, "bert-mini": bert_examples}
+
+
+class Plain:
+    """A plain loop over `model`: the objective's loss, backward, clip, fused AdamW."""
+
+    def __init__(self, model: Any, objective: str, lr: float, clip: float) -> None:
+        """Train `model` (a copy of the worker's) with AdamW at `lr`, clipping at `clip`."""
+        import torch
+
+        self.model, self.objective, self.clip = model.train(), objective, clip
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+
+    def step(self, batch: dict[str, Any], autocast: Any) -> None:
+        """One optimizer step on `batch`."""
+        import torch
+
+        from training.pretrain.losses import pretraining_loss
+
+        with autocast():
+            out = pretraining_loss(self.model, self.objective, batch, True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Interleave lmpipe's steps and the plain loop's on one shape; return their step times."""
+    import torch
+
+    from tasks.common.ray_runtime import usable_cores
+    from training.pretrain.config import TrainConfig
+    from training.pretrain.job import WorkerJob
+    from training.pretrain.loop import Worker
+    from training.runtime.worker_context import LocalContext, init_single_process
+
+    threads = usable_cores()
+    torch.set_num_threads(threads)
+    run_dir = Path(spec["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    steps = spec["warmup"] + spec["steps"]
+    train = TrainConfig.model_validate(
+        spec["train"]
+        | {
+            "max_steps": steps + 1,
+            "precision": spec["precision"],
+            "zero_stage": 0,
+            "eval": {"every_steps": 1 << 20},
+            "checkpoint": {"every_steps": 1 << 20, "storage_path": str(run_dir)},
+        }
+    )
+    examples, tokenizer = Path(spec["examples_dir"]), Path(spec["tokenizer_dir"])
+    job = WorkerJob(
+        train=train, seed=0, examples_dir=examples, tokenizer_dir=tokenizer, config_hash="bench"
+    )
+    init_single_process()
+    worker = Worker(job, LocalContext(run_dir))
+    plain = Plain(
+        copy.deepcopy(worker.engine.module), worker.objective, train.optim.lr, worker.clip
+    )
+    # The plain loop's batches: the worker's own plans, built before any step is timed.
+    batches = [b for s in range(steps) for b in worker._plan(s + 1, _cursor_at(worker, s)).batches]
+    times: dict[str, list[float]] = {"lmpipe": [], "plain": []}
+    for i in range(steps):
+        for arm in ("lmpipe", "plain") if i % 2 == 0 else ("plain", "lmpipe"):
+            start = time.perf_counter()
+            if arm == "lmpipe":
+                worker.train_step()
+            else:
+                plain.step(batches[i], worker.precision)
+            if i >= spec["warmup"]:
+                times[arm].append(time.perf_counter() - start)
+    worker.flush()
+    worker.batches.close()
+    tokens = train.global_batch_size * worker.train_data.width
+    return {"threads": threads, "tokens_per_step": tokens, "times": times}
+
+
+def _cursor_at(worker: Any, step: int) -> Any:
+    """The data cursor before step `step + 1` (the worker's order, walked from the start)."""
+    from training.pretrain.data import Cursor
+
+    cursor = Cursor()
+    for _ in range(step):
+        cursor = worker.order.next_batch(cursor)[2]
+    return cursor
+
+
+def run_shape(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Set up the shape's examples (untimed), then run its child; summarise its step times."""
+    data = SHAPES[name](args.work)
+    spec = data | {
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "precision": args.precision,
+        "run_dir": str(args.work / f"run-{name}"),
+    }
+    log = args.work / f"{name}.log"
+    argv = [sys.executable, __file__, "--child", json.dumps(spec)]
+    with open(log, "w") as out:
+        code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    if code != 0:
+        raise SystemExit(f"{name}: exit {code}; see {log}")
+    raw = json.loads((args.work / f"run-{name}" / "result.json").read_text())
+    ms = {arm: statistics.median(t) * 1e3 for arm, t in raw["times"].items()}
+    return {
+        "threads": raw["threads"],
+        "tokens_per_step": raw["tokens_per_step"],
+        "lmpipe_ms": ms["lmpipe"],
+        "plain_ms": ms["plain"],
+        "lmpipe_over_plain_tokens_per_s": ms["plain"] / ms["lmpipe"],
+        "times": raw["times"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="nanogpt,bert-mini", help="Comma-separated shapes.")
+    parser.add_argument("--warmup", type=int, default=10, help="Untimed steps of each first.")
+    parser.add_argument("--steps", type=int, default=60, help="Timed steps of each.")
+    parser.add_argument("--precision", default="fp32", help="Both arms' precision.")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/lmpipe-step-overhead"))
+    parser.add_argument("--json", type=Path, default=None, help="Write the results here too.")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        spec = json.loads(args.child)
+        result = child(spec)
+        (Path(spec["run_dir"]) / "result.json").write_text(json.dumps(result))
+        return
+    args.work.mkdir(parents=True, exist_ok=True)
+    results = {name: run_shape(name, args) for name in args.shape.split(",")}
+    for name, r in results.items():
+        print(
+            f"{name}: lmpipe {r['lmpipe_ms']:.1f} ms, plain {r['plain_ms']:.1f} ms a step "
+            f"({r['threads']} threads, {r['tokens_per_step']} tokens): lmpipe's tokens/s "
+            f"{r['lmpipe_over_plain_tokens_per_s']:.3f}x the plain loop's"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
