@@ -38,7 +38,7 @@ check-install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/lmpipe demo-corpus --out workspace/demo_data
-	PREFECT_HOME=$(CURDIR)/workspace/.prefect $(BIN)/lmpipe run configs/demo.yaml
+	$(BIN)/lmpipe run configs/demo.yaml
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -18,6 +18,7 @@ _SESSION_TMP = Path(tempfile.mkdtemp(prefix="lmpipe-tests-"))
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect")
+os.environ["LMPIPE_CACHE_DIR"] = str(_SESSION_TMP / "cache")  # the store templates
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "90"
 os.environ["HF_HUB_OFFLINE"] = "1"

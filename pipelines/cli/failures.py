@@ -138,7 +138,8 @@ def report_failure(exc: BaseException, debug: bool, out: TextIO | None = None) -
     """Print what failed and return the exit code; the last line is the cause, in one line.
 
     With `debug` the traceback comes first. A message of several lines (a config error lists
-    every bad key) is printed whole before the last line.
+    every bad key) has its other lines printed before the last line, which carries its first
+    line, so no line is printed twice (the traceback holds them all already).
     """
     out = out or sys.stderr
     code, decided_by = classify(exc)
@@ -147,8 +148,9 @@ def report_failure(exc: BaseException, debug: bool, out: TextIO | None = None) -
     if code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED):
         print(f"lmpipe: {MEANING[code]} (exit {int(code)})", file=out)
         return code
-    if len(str(decided_by).strip().splitlines()) > 1:
-        print(f"error: {str(decided_by).strip()}", file=out)
+    if not debug:
+        for line in str(decided_by).strip().splitlines()[1:]:
+            print(line, file=out)
     hint = "" if debug or code == ExitCode.CONFIG else " [--debug shows the traceback]"
     print(f"lmpipe: {MEANING[code]} (exit {int(code)}): {cause_line(decided_by)}{hint}", file=out)
     return code

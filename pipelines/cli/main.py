@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = bool(getattr(args, "debug", False))
     guard = sigterm_raises() if args.command in STAGE_COMMANDS else contextlib.nullcontext()
     patient_temporary_api()
+    no_prefect_telemetry()
     skip_final_collections()
     try:
         with guard:
@@ -85,6 +86,18 @@ def log_http_requests(verbose: bool) -> None:
     """
     for name in HTTP_LOGGERS:
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
+
+
+def no_prefect_telemetry() -> None:
+    """Default Prefect's usage telemetry to off (`PREFECT_SERVER_ANALYTICS_ENABLED`, if unset).
+
+    The temporary Prefect API a command starts posts a heartbeat to prefect.io; offline, each
+    run printed `ERROR | prefect.server.services.telemetry - Failed to send telemetry`. The
+    servers `lmpipe up` starts have it off already (docs/operations.md); this setting also
+    stops the client's own analytics. Must run before Prefect is imported (its settings are
+    read once, at import) and before the temporary API starts (it inherits the environment).
+    """
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 def skip_final_collections() -> None:
@@ -121,6 +134,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         else:
             _print_piped(json.dumps(public_dump(cfg), indent=2))
         return 0
+    from pipelines.ops.prefect_api import open_prefect_api
+
+    open_prefect_api(cfg)  # before Prefect is imported: its home and API (docs/cli.md)
     commands: dict[str, Callable[[RunConfig], dict[str, dict[str, Any]]]] = {
         "ingest": _run_ingest,
         "tokenizer": _run_tokenizer,

@@ -59,13 +59,26 @@ def deployments_section(cfg: RunConfig) -> DeploymentsConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve the recipe's deployments until interrupted; return the exit code."""
+    """Serve the recipe's deployments until interrupted; return the exit code.
+
+    As every command, it settles its Prefect home and API before Prefect is imported
+    (`open_prefect_api`): `<workspace>/.prefect`, and the Prefect server `lmpipe up` runs for
+    the workspace when no API is named.
+    """
+    from pipelines.ops.prefect_api import await_prefect_api, open_prefect_api
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        return 2
+    open_prefect_api(cfg)
+    await_prefect_api()  # a temporary API (nothing named, no `lmpipe up`) must answer first
     from prefect import serve
 
     from pipelines.ops.deployments import build_deployments, ensure_failure_automation
 
     try:
-        cfg = load_config(args.config, args.overrides)
         section = deployments_section(cfg)
         deployments = build_deployments(args.config, args.overrides, section)
     except ConfigError as exc:

@@ -143,7 +143,8 @@ def _client_help(cfg: ServersConfig, status: dict[str, ServerStatus], args: str)
     prefect, mlflow = status["prefect"].state, status["mlflow"].state
     lines = [
         "",
-        "Point clients at them (environment, or the config keys on the right):",
+        "They serve this workspace's own stores: its commands use them with nothing set.",
+        "Point other clients at them (environment, or the config keys on the right):",
         f"  export PREFECT_API_URL={prefect.api_url}        # prefect.api_url",
         f"  export MLFLOW_TRACKING_URI={mlflow.api_url}     # tracking.tracking_uri",
     ]

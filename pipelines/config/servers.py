@@ -66,19 +66,21 @@ class ServersConfig(BaseModel):
     prefect_port: int = Field(4200, ge=1, le=65535, description="Prefect server port.")
     mlflow_port: int = Field(5000, ge=1, le=65535, description="MLflow server port.")
     state_dir: Path | None = Field(
-        None, description="Logs, state files, SQLite databases; None = <workspace>/.servers."
+        None, description="Logs, state files, auth config; None = <workspace>/.servers."
     )
     prefect_database_url: SecretStr | None = Field(
-        None, description="None = SQLite in the state dir, or postgresql+asyncpg://U:P@HOST/DB."
+        None,
+        description="None = the workspace's Prefect home, or postgresql+asyncpg://U:P@HOST/DB.",
     )
     prefect_ui_api_url: str | None = Field(
         None, description="API URL the UI calls if browsers use another name: http://HOST:PORT/api"
     )
     mlflow_backend_store_uri: SecretStr | None = Field(
-        None, description="None = SQLite in the state dir, or postgresql://U:P@HOST/DB (psycopg2)."
+        None,
+        description="None = the workspace's mlflow.db, or postgresql://U:P@HOST/DB (psycopg2).",
     )
     mlflow_artifacts_destination: str | None = Field(
-        None, description="None = a directory in the state dir, or s3://BUCKET/PREFIX (boto3)."
+        None, description="None = the workspace's mlartifacts/, or s3://BUCKET/PREFIX (boto3)."
     )
     mlflow_s3_endpoint_url: str | None = Field(
         None, description="S3-compatible endpoint (MinIO), exported as MLFLOW_S3_ENDPOINT_URL."

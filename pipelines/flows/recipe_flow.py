@@ -15,6 +15,8 @@
   flow runs do not (`join_on_exit=False`): the thread, a daemon, stops at its next step, and
   sends no heartbeat after the stop. Heartbeats are sent as before while the flow runs.
 
+A call waits first for the temporary Prefect API the command started in the background while
+it imported Prefect and the flows (`pipelines.ops.prefect_api`); a no-op when there is none.
 Everything else is Prefect's `Flow`. The flows themselves live one per module beside this one.
 """
 
@@ -31,6 +33,8 @@ import prefect.flows
 from prefect import Flow
 from prefect.utilities.callables import ParameterSchema, parameter_schema
 from pydantic import BaseModel
+
+from pipelines.ops.prefect_api import await_prefect_api
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -72,6 +76,11 @@ class RecipeFlow(Flow[P, R]):
         self._schema: ParameterSchema | None = None
         with _schema_deferred():
             super().__init__(fn, name=name)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:  # type: ignore[override]
+        """Run the flow as `Flow.__call__` does, once the command's Prefect API answers."""
+        await_prefect_api()
+        return super().__call__(*args, **kwargs)
 
     @property
     def parameters(self) -> ParameterSchema:

@@ -161,10 +161,20 @@ def pretrain_step(cfg: RunConfig, stages: Stages, resume: bool = False) -> Stage
     return _trained(cfg, "pretrain", stage_summary(state, cfg.workspace))
 
 
+#: The config section each training stage runs from: a cache hit's MLflow params.
+TRAINED_SECTIONS = {"pretrain": "train", "finetune": "finetune", "evaluate": "evaluate"}
+
+
 def _trained(cfg: RunConfig, stage: str, result: dict[str, Any]) -> Stages:
-    """Record a training stage's cache hit in MLflow, publish its summary."""
+    """Record a training stage's cache hit in MLflow, publish its summary.
+
+    The cache hit's run gets params too, as every run does: the stage's config section, the
+    run's name and seed.
+    """
     if result.get("reused"):
-        result = result | {"mlflow_run_id": record_stage_task(cfg, stage, result)}
+        section = TRAINED_SECTIONS[stage]
+        params = {section: public_dump(cfg)[section], "name": cfg.name, "seed": cfg.seed}
+        result = result | {"mlflow_run_id": record_stage_task(cfg, stage, result, params)}
     publish_stage(cfg, stage, result)
     return {stage: result}
 

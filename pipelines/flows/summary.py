@@ -19,6 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import FlowRunContext, TaskRunContext
 
 from pipelines.config import RunConfig
+from pipelines.ops.prefect_api import temporary_api_urls
 from tasks.common.io import redact_url
 
 Rows = list[tuple[str, str]]
@@ -26,7 +27,11 @@ _BIN = Path(sys.executable).parent  # the venv's scripts (mlflow, prefect), acti
 
 
 def stage_rows(name: str, result: dict[str, Any]) -> Rows:
-    """The rows that describe one stage's summary (from the summary and its manifest)."""
+    """The rows that describe one stage's summary (from the summary and its manifest).
+
+    The table says what this run did: a stage built now shows its own `elapsed s`; a reused
+    one shows "reused (cache hit)" and no time (the manifest's is the original build's).
+    """
     if name in _ROWS:
         rows = _ROWS[name](result)
     else:
@@ -34,12 +39,20 @@ def stage_rows(name: str, result: dict[str, Any]) -> Rows:
         if name in ("ingest", "decontaminate"):  # a decontaminated corpus is ingest-format
             rows = _decontaminate_rows(manifest) if name == "decontaminate" else []
             rows += _ingest_rows(manifest)
+            if "elapsed_s" in manifest:
+                rows.insert(0, ("elapsed s", f"{manifest['elapsed_s']:,.4g}"))
         else:
             rows = _metric_rows(manifest["metrics"])
         rows += [("output", result["path"]), ("MLflow run", str(result.get("mlflow_run_id")))]
+    if result.get("reused"):
+        rows = [row for row in rows if row[0] not in _BUILD_TIMES]
     if "reused" in result:
         rows.append(("status", "reused (cache hit)" if result["reused"] else "built"))
     return rows
+
+
+#: Rows that time a stage's build: a cache hit's would be the original build's, not this run's.
+_BUILD_TIMES = frozenset({"elapsed s"})
 
 
 def publish_stage(cfg: RunConfig, stage: str, result: dict[str, Any]) -> None:
@@ -110,7 +123,7 @@ def where_to_look(cfg: RunConfig, stages: dict[str, dict[str, Any]]) -> list[str
             f"MLflow UI:  mlflow ui --backend-store-uri {store}  (then http://127.0.0.1:5000)"
         )
     api = _public(os.environ.get("PREFECT_API_URL"))
-    if api:
+    if api and api not in temporary_api_urls():  # a temporary API is gone when we exit
         lines.append(f"Prefect UI: {api.removesuffix('/').removesuffix('/api')}")
     else:
         home = os.environ.get("PREFECT_HOME", "~/.prefect")

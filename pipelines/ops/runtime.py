@@ -13,7 +13,7 @@ from pathlib import Path
 from pipelines.config import RunConfig
 from tasks.common.ray_runtime import check_storage
 from tasks.common.workspace import open_workspace
-from training.tracking.local_store import local_store_uri, open_local_store
+from training.tracking.local_store import local_store_uri, open_local_store, seed_local_store
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,17 @@ def patient_temporary_api() -> None:
     os.environ.setdefault(
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", str(TEMPORARY_API_STARTUP_S)
     )
+
+
+def cache_dir() -> Path:
+    """The per-user cache of lmpipe: `LMPIPE_CACHE_DIR`, else `$XDG_CACHE_HOME/lmpipe`.
+
+    It holds the Prefect and MLflow database templates a new workspace's stores are copied from.
+    """
+    explicit = os.environ.get("LMPIPE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lmpipe"
 
 
 def resolve_environment(cfg: RunConfig) -> RunConfig:
@@ -72,5 +83,7 @@ def resolve_environment(cfg: RunConfig) -> RunConfig:
     workspace.mkdir(parents=True, exist_ok=True)
     open_workspace(workspace)
     if tracking.tracking_uri == local_store_uri(workspace):
+        if tracking.enabled:  # a copy of MLflow's new store, not its migrations per workspace
+            seed_local_store(workspace, cache_dir())
         open_local_store(workspace)
     return cfg.model_copy(update={"ray": ray, "tracking": tracking, "workspace": workspace})

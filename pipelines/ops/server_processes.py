@@ -10,12 +10,27 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import psutil
 from pydantic import BaseModel, ConfigDict
+
+
+def answers(opener: urllib.request.OpenerDirector, url: str) -> bool:
+    """Whether `url` (a server's health check) answers 200 now, within 2 s."""
+    try:
+        with opener.open(url, timeout=2) as response:
+            return int(response.status) == 200
+    except OSError:  # refused, reset, timed out, HTTP errors
+        return False
+
+
+def resolve_state_dir(state_dir: Path | None, workspace: Path) -> Path:
+    """The absolute state directory: `state_dir`, or `<workspace>/.servers`."""
+    return Path(os.path.abspath(state_dir or Path(workspace) / ".servers"))
 
 
 class ServersError(RuntimeError):

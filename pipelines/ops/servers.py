@@ -31,14 +31,19 @@ from typing import Any, Literal
 import psutil
 
 from pipelines.config.servers import ServersConfig, exposure_problem
+from pipelines.ops.prefect_api import prefect_home, seed_prefect_home
+from pipelines.ops.runtime import cache_dir
 from pipelines.ops.server_processes import (
     ServersError,
     ServerState,
     StoppedServer,
+    answers,
     live_leader,
     read_state,
     stop_group,
 )
+from pipelines.ops.server_processes import resolve_state_dir as state_dir_of
+from training.tracking.local_store import ARTIFACTS_DIR, open_local_store
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +70,7 @@ class _Launch:
 
 def resolve_state_dir(cfg: ServersConfig, workspace: Path) -> Path:
     """The absolute state directory: `cfg.state_dir`, or `<workspace>/.servers`."""
-    return Path(os.path.abspath(cfg.state_dir or Path(workspace) / ".servers"))
+    return state_dir_of(cfg.state_dir, workspace)
 
 
 def read_states(cfg: ServersConfig, workspace: Path) -> dict[str, ServerState]:
@@ -97,7 +102,7 @@ def start_servers(cfg: ServersConfig, workspace: Path) -> dict[str, ServerStatus
     state_dir.chmod(0o700)  # holds the databases and logs
     done: dict[str, ServerStatus] = {}
     todo: list[_Launch] = []
-    for launch in _plan(cfg, state_dir):
+    for launch in _plan(cfg, state_dir, Path(os.path.abspath(workspace))):
         path = state_dir / f"{launch.name}.json"
         state = read_state(path)
         if state is not None and live_leader(state) is not None:
@@ -150,28 +155,34 @@ def client_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _plan(cfg: ServersConfig, state_dir: Path) -> list[_Launch]:
+def _plan(cfg: ServersConfig, state_dir: Path, workspace: Path) -> list[_Launch]:
     base = {
         **os.environ,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         # 10 -> 2 processes (docs/stack.md, "The MLflow server")
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
     }
-    return [_plan_prefect(cfg, state_dir, base), _plan_mlflow(cfg, state_dir, base)]
+    return [
+        _plan_prefect(cfg, state_dir, base, workspace),
+        _plan_mlflow(cfg, state_dir, base, workspace),
+    ]
 
 
-def _plan_prefect(cfg: ServersConfig, state_dir: Path, base: dict[str, str]) -> _Launch:
-    home = state_dir / "prefect"
-    home.mkdir(exist_ok=True)
+def _plan_prefect(
+    cfg: ServersConfig, state_dir: Path, base: dict[str, str], workspace: Path
+) -> _Launch:
+    # The home and database the workspace's commands record their flow runs in.
+    home = prefect_home(workspace)
+    home.mkdir(parents=True, exist_ok=True)
     # A client's PREFECT_API_URL would become the UI's API address (Prefect's default), and
     # a profile could point the server at another database: the server gets neither.
     env = {k: v for k, v in base.items() if k not in _PREFECT_CLIENT_VARS}
     env["PREFECT_HOME"] = str(home)
-    env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = (
-        cfg.prefect_database_url.get_secret_value()
-        if cfg.prefect_database_url
-        else f"sqlite+aiosqlite:///{home / 'prefect.db'}"
-    )
+    if cfg.prefect_database_url:
+        env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = cfg.prefect_database_url.get_secret_value()
+    elif not any(env.get(key) for key in _PREFECT_DATABASE_VARS):  # else as the commands'
+        seed_prefect_home(home, cache_dir())
+        env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{home / 'prefect.db'}"
     if cfg.prefect_auth_string is not None:
         env["PREFECT_SERVER_API_AUTH_STRING"] = cfg.prefect_auth_string.get_secret_value()
     # The UI's API address comes from these settings, not from `--port`: without them the UI
@@ -195,22 +206,27 @@ def _plan_prefect(cfg: ServersConfig, state_dir: Path, base: dict[str, str]) -> 
 _PREFECT_CLIENT_VARS = frozenset(
     {"PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"}
 )
+_PREFECT_DATABASE_VARS = (
+    "PREFECT_SERVER_DATABASE_CONNECTION_URL",
+    "PREFECT_API_DATABASE_CONNECTION_URL",
+)
 
 
-def _plan_mlflow(cfg: ServersConfig, state_dir: Path, base: dict[str, str]) -> _Launch:
-    home = state_dir / "mlflow"
+def _plan_mlflow(
+    cfg: ServersConfig, state_dir: Path, base: dict[str, str], workspace: Path
+) -> _Launch:
+    home = state_dir / "mlflow"  # the auth config, when basic auth is on
     home.mkdir(exist_ok=True)
     env = dict(base)
-    env["MLFLOW_BACKEND_STORE_URI"] = (
-        cfg.mlflow_backend_store_uri.get_secret_value()
-        if cfg.mlflow_backend_store_uri
-        else f"sqlite:///{home / 'mlflow.db'}"
-    )
+    if cfg.mlflow_backend_store_uri:
+        env["MLFLOW_BACKEND_STORE_URI"] = cfg.mlflow_backend_store_uri.get_secret_value()
+    else:  # the workspace's own store, as local runs write it (re-rooted if it moved)
+        env["MLFLOW_BACKEND_STORE_URI"] = open_local_store(workspace)
     if cfg.mlflow_s3_endpoint_url:
         env["MLFLOW_S3_ENDPOINT_URL"] = cfg.mlflow_s3_endpoint_url
     command = [_script("mlflow"), "server", "--host", cfg.host, "--port", str(cfg.mlflow_port)]
     command += ["--workers", str(cfg.mlflow_workers), "--artifacts-destination"]
-    destination = cfg.mlflow_artifacts_destination or str(home / "artifacts")
+    destination = cfg.mlflow_artifacts_destination or str(workspace / ARTIFACTS_DIR)
     # The server runs in the state dir: a relative path is meant from where `up` ran.
     command.append(destination if "://" in destination else os.path.abspath(destination))
     if cfg.mlflow_allowed_hosts:
@@ -314,7 +330,7 @@ def _wait_healthy(states: list[ServerState], timeout_s: float) -> None:
     pending = list(states)
     while pending:
         for state in list(pending):
-            if _answers(opener, state.health_url):
+            if answers(opener, state.health_url):
                 pending.remove(state)
             elif live_leader(state) is None:
                 raise ServersError(
@@ -329,14 +345,6 @@ def _wait_healthy(states: list[ServerState], timeout_s: float) -> None:
                 f"{_tail(state.log)}"
             )
         time.sleep(0.25 if pending else 0)
-
-
-def _answers(opener: urllib.request.OpenerDirector, url: str) -> bool:
-    try:
-        with opener.open(url, timeout=2) as response:
-            return int(response.status) == 200
-    except OSError:  # refused, reset, timed out, HTTP errors
-        return False
 
 
 def _tail(path: Path) -> str:

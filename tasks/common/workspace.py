@@ -9,7 +9,9 @@ root. Records written before a move name files by absolute paths under an old ro
 `relocate` (one path) and `relocate_record` (a JSON value) map such paths into the place the
 workspace is now, so a record read in a copy names the copy's files, never the tree it was
 copied from. A path outside every root (a corpus elsewhere, a shared checkpoint store) is
-left as it is.
+left as it is. The few files another library reads a path from (`REWRITTEN_PATHS`: a peft
+adapter export's base model) cannot be relocated on read: `open_workspace` rewrites them in
+place, together with their entry in their output's manifest.
 
 Not here: the fingerprints (`tasks/common/stage.py`), which never include a location.
 """
@@ -17,6 +19,7 @@ Not here: the fingerprints (`tasks/common/stage.py`), which never include a loca
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import uuid
@@ -25,10 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.common.io import write_json_atomic
+from tasks.common.io import atomic_writer, write_json_atomic
 
 #: The file that makes a directory a workspace: its id and every root it was opened at.
 WORKSPACE_FILE = "workspace.json"
+#: Paths that another library reads, so no lmpipe read can relocate them: (outputs, as a glob
+#: under the root; the JSON file inside each; its key holding a path). peft's
+#: `AutoPeftModelFor<Task>` loads a fine-tuned adapter export's base model from its absolute
+#: `base_model_name_or_path` (`training.finetune.adapters.save_peft_export`).
+REWRITTEN_PATHS: tuple[tuple[str, str, str], ...] = (
+    ("finetune/*", "export/adapter_config.json", "base_model_name_or_path"),
+)
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,8 @@ def open_workspace(workspace: Path | str) -> WorkspaceInfo:
 
     The first open writes `workspace.json` without ever replacing one another process wrote
     meanwhile (a hard link, which fails on an existing name); opening a copy or a moved
-    workspace adds its new root.
+    workspace adds its new root. A workspace that has lived elsewhere gets the files of
+    `REWRITTEN_PATHS` that name a place under an old root rewritten (`rewrite_paths`).
 
     Raises:
         OSError: `workspace.json` exists but is not one (or the directory is not writable).
@@ -93,7 +104,56 @@ def open_workspace(workspace: Path | str) -> WorkspaceInfo:
     if new:
         info = WorkspaceInfo(root, info.id, (*info.roots, *new))
         write_json_atomic(root / WORKSPACE_FILE, {"id": info.id, "roots": list(info.roots)})
+    # On every open, not only a new root's: a workspace moved back to an old root has files
+    # written at the other place.
+    if any(r not in _forms(root) for r in info.roots):
+        rewrite_paths(info)
     return info
+
+
+def rewrite_paths(info: WorkspaceInfo) -> list[Path]:
+    """Rewrite each path of `REWRITTEN_PATHS` that lies under an old root into `info.root`.
+
+    The output's `manifest.json` entry of the file (bytes, sha256) is updated first, so the
+    output stays complete; a process killed in between leaves the old path in the file, which
+    the next open rewrites. Outputs being built (hidden temp directories) are left alone.
+
+    Returns:
+        The files rewritten.
+    """
+    move, done = _mover(info), []
+    for pattern, name, key in REWRITTEN_PATHS:
+        for output in sorted(info.root.glob(pattern)):
+            path = output / name
+            if output.name.startswith(".") or not path.is_file():
+                continue
+            try:
+                record = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue  # unreadable to its library too: not this function's to repair
+            value = record.get(key) if isinstance(record, dict) else None
+            if not isinstance(value, str) or move(value) == value:
+                continue
+            text = json.dumps({**record, key: move(value)}, indent=2, sort_keys=True) + "\n"
+            data = text.encode("utf-8")
+            _update_manifest_entry(output, name, data)
+            with atomic_writer(path) as handle:
+                handle.write(data)
+            done.append(path)
+    return done
+
+
+def _update_manifest_entry(output: Path, name: str, data: bytes) -> None:
+    """Record `data` as the bytes of `output/name` in `output/manifest.json`, if it lists it."""
+    manifest_file = output / "manifest.json"
+    if not manifest_file.is_file():
+        return
+    manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
+    entries = [e for e in manifest.get("files", []) if e.get("name") == name]
+    for entry in entries:
+        entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    if entries:
+        write_json_atomic(manifest_file, manifest)
 
 
 def workspace_of(path: Path | str) -> Path | None:
@@ -130,8 +190,10 @@ def relocator(workspace: Path | str | None) -> Callable[[str], str]:
     given; so is every path when `workspace` is None or not a workspace.
     """
     info = read_workspace(workspace) if workspace is not None else None
-    if info is None:
-        return lambda path: path
+    return (lambda path: path) if info is None else _mover(info)
+
+
+def _mover(info: WorkspaceInfo) -> Callable[[str], str]:
     current = _forms(info.root)
     old = sorted((r for r in info.roots if r not in current), key=len, reverse=True)
 

@@ -104,7 +104,11 @@ class TokenizerConfig(BaseModel):
         "padded up to a multiple of this (fast matrix shapes).",
     )
     min_frequency: int = Field(2, ge=1, description="Minimum count of a merge/piece.")
-    lowercase: bool = Field(True, description="Lowercase before tokenizing (wordpiece default).")
+    lowercase: bool | None = Field(
+        None,
+        description="Lowercase before tokenizing. None: by family, true for wordpiece (as BERT "
+        "uncased), false for bpe and unigram (GPT-2, RoBERTa and T5 are cased).",
+    )
     strip_accents: bool | None = Field(
         None, description="WordPiece: strip accents; None follows `lowercase`, as BERT does."
     )
@@ -144,6 +148,13 @@ class TokenizerConfig(BaseModel):
     )
 
     @model_validator(mode="after")
+    def _lowercase_by_family(self) -> TokenizerConfig:
+        # Resolved here, so the dump (fingerprints, `lmpipe config`, MLflow params) says what
+        # runs; not marked as set, so a deployment's form still offers the family's default.
+        object.__setattr__(self, "lowercase", lowercases(self))
+        return self
+
+    @model_validator(mode="after")
     def _sampling_needs_training(self) -> TokenizerConfig:
         sampling = self.language_sampling
         if sampling is not None and self.pretrained is not None:
@@ -158,6 +169,15 @@ class TokenizerConfig(BaseModel):
                 "language_sampling.sample_characters, not sample_documents"
             )
         return self
+
+
+def lowercases(cfg: TokenizerConfig) -> bool:
+    """Whether `cfg` lowercases: its `lowercase` when set, else its family's convention.
+
+    WordPiece lowercases, as bert-base-uncased does; byte-level BPE (GPT-2, RoBERTa) and Unigram
+    (T5) keep case, as those models' own tokenizers do.
+    """
+    return cfg.family == "wordpiece" if cfg.lowercase is None else cfg.lowercase
 
 
 def special_tokens(cfg: TokenizerConfig) -> list[str]:
@@ -185,18 +205,18 @@ def _pipeline(tok: Tokenizer, cfg: TokenizerConfig) -> Tokenizer:
             clean_text=True,
             handle_chinese_chars=cfg.split_chinese_chars,
             strip_accents=cfg.strip_accents,
-            lowercase=cfg.lowercase,
+            lowercase=lowercases(cfg),
         )
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # exact round trip
     elif cfg.family == "bpe":
-        if cfg.lowercase:
+        if lowercases(cfg):
             tok.normalizer = normalizers.Lowercase()
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
     else:
         steps = [normalizers.Nmt(), normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")]
-        if cfg.lowercase:
+        if lowercases(cfg):
             steps.append(normalizers.Lowercase())
         tok.normalizer = normalizers.Sequence(steps)
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
@@ -323,7 +343,7 @@ def train_sentencepiece(texts: Texts, cfg: TokenizerConfig) -> bytes:
         model_type="unigram",
         vocab_size=cfg.vocab_size - cfg.extra_ids,
         character_coverage=cfg.character_coverage,
-        normalization_rule_name="nmt_nfkc_cf" if cfg.lowercase else "nmt_nfkc",
+        normalization_rule_name="nmt_nfkc_cf" if lowercases(cfg) else "nmt_nfkc",
         pad_id=0,
         eos_id=1,
         unk_id=2,

@@ -131,6 +131,29 @@ def test_a_bad_config_exits_2_with_its_keys_and_a_last_line_cause(
     assert err.splitlines()[-1].startswith("lmpipe: config error (exit 2): ConfigError: ")
 
 
+@pytest.mark.parametrize("command", ["config", "ingest"])
+def test_a_refusal_prints_each_line_once(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main([command, str(DEMO), "train.optimm.lr=1"], capsys)
+    assert code == ExitCode.CONFIG
+    assert err.splitlines() == [
+        "  train.optimm = {'lr': 1}: unknown key (misspelled?); `lmpipe config --keys train` "
+        "lists the valid keys",
+        f"lmpipe: config error (exit 2): ConfigError: {DEMO}: invalid configuration (1 error(s))",
+    ]
+
+
+def test_a_command_turns_prefect_telemetry_off_unless_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Offline, the temporary Prefect API's heartbeat logged "Failed to send telemetry" (#40).
+    monkeypatch.delenv("PREFECT_SERVER_ANALYTICS_ENABLED", raising=False)
+    assert run_main(["config", str(DEMO)], capsys)[0] == 0
+    assert os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "true")
+    assert run_main(["config", str(DEMO)], capsys)[0] == 0
+    assert os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] == "true"
+
+
 def test_a_command_freezes_the_collector_at_exit_once_however_often_it_runs(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

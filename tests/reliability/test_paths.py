@@ -161,7 +161,7 @@ def test_registry_mlmodel_cannot_name_directories_outside(tmp_path: Path, binary
     flavor = {"model_binary": binary, "components": []}
     (download / "MLmodel").write_text(yaml.safe_dump({"flavors": {"transformers": flavor}}))
     with pytest.raises(UnsafePathError):
-        _flatten_flavor(download, tmp_path / "hf")
+        _flatten_flavor(download, tmp_path / "hf", read_from=tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 
@@ -174,7 +174,7 @@ def test_registry_download_with_a_symlink_is_refused(tmp_path: Path) -> None:
     flavor = {"model_binary": "model", "components": ["../../x"]}
     (download / "MLmodel").write_text(yaml.safe_dump({"flavors": {"transformers": flavor}}))
     with pytest.raises(UnsafePathError, match="symbolic links"):
-        _flatten_flavor(download, tmp_path / "hf")
+        _flatten_flavor(download, tmp_path / "hf", read_from=tmp_path / "hf")
 
 
 def test_gc_never_deletes_through_a_symlink(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ examples are known, fill-mask probes for encoders, generation samples for decode
 prompting on a classification task for causal LMs); `evaluation_report` writes
 `evaluation.json` and a Markdown + HTML report. `evaluate_task` is the Prefect wrapper: it runs
 both on the stage scaffold (`tasks/common/stage.py`; `plan_evaluation` fingerprints and places
-the output) and logs the report to an MLflow run.
+the output) and logs it to an MLflow run: the resolved section and what it evaluated as params
+(`evaluation_params`), the numbers as metrics, the report as artifacts.
 """
 
 from __future__ import annotations
@@ -326,7 +327,8 @@ def evaluate_task(
         result["finetuned"] = _finetuned_section(finetuned)
     files, text = evaluation_report(result, tmp)
     inputs = evaluate_inputs(Path(model_dir), examples_paths, task_path)
-    result |= _log_evaluation(result, files, out.fingerprint, inputs, run=run)
+    params = evaluation_params(cfg, result, examples_paths, task_path, seed=run.seed)
+    result |= _log_evaluation(result, files, out.fingerprint, inputs, params, run=run)
     summary = {"stage": STAGE, "fingerprint": out.fingerprint, **result}
     manifest = {
         "stage": STAGE,
@@ -340,19 +342,50 @@ def evaluate_task(
     return summary | {"path": str(out.path), "reused": False}
 
 
+def evaluation_params(
+    cfg: EvaluateConfig,
+    result: dict[str, Any],
+    examples: tuple[Path, Path] | None,
+    task_dir: Path | None,
+    *,
+    seed: int,
+) -> dict[str, Any]:
+    """An evaluation run's MLflow params: the resolved `evaluate` section and what it evaluated.
+
+    What it evaluated: the model directory and family, the examples and tokenizer of the
+    held-out metrics, the prepared task, and the fine-tuned model the report shows (its export,
+    and its registered name and version when it has one); what it did not read is left out.
+    """
+    tuned = result.get("finetuned", {})
+    name = tuned.get("model_name")
+    what = {
+        "model_dir": result["model_dir"],
+        "family": result["family"],
+        "examples": str(examples[0]) if examples else None,
+        "tokenizer": str(examples[1]) if examples else None,
+        "task_dir": str(task_dir) if task_dir else None,
+        "finetuned_export": tuned.get("export_dir"),
+        "finetuned_model": f"{name}/{tuned.get('model_version')}" if name else None,
+    }
+    params = {"evaluate": cfg.model_dump(mode="json"), "seed": seed}
+    return params | {k: v for k, v in what.items() if v is not None}
+
+
 def _log_evaluation(
     result: dict[str, Any],
     files: list[Path],
     fp: str,
     inputs: list[DatasetRef],
+    params: dict[str, Any],
     *,
     run: RunContext,
 ) -> dict[str, Any]:
-    """Log an evaluation's inputs, metrics and report to its MLflow run; return its run id."""
+    """Log an evaluation's params, inputs, metrics and report to its MLflow run; its run id."""
     tags = {"stage": STAGE, "lmpipe.stage": STAGE, "lmpipe.fingerprint": fp}
     with tracked_run(run.tracking, run.workspace, f"{run.name}-evaluate", tags) as tracker:
         if tracker.run_id is not None:
             tracker.log_inputs(inputs)
+        tracker.log_params(params)
         tracker.log_metrics(_numbers(result))
         for path in files:
             tracker.log_artifact(path, "evaluation")

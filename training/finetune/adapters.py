@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import shutil
 import warnings
@@ -43,6 +44,7 @@ from training.models.export import (
     export_layout,
     load_peft_export,
     require_safetensors,
+    unique_modules_to_save,
 )
 
 ADAPTER_ATTR = "bottleneck_adapter"
@@ -351,19 +353,30 @@ def peft_base_model(model: Any) -> PreTrainedModel:
     return quiet_peft(model.unload)  # type: ignore[no-any-return]
 
 
-def save_peft_export(model: Any, directory: Path) -> list[Path]:
+def save_peft_export(model: Any, directory: Path, home: Path | None = None) -> list[Path]:
     """Write a peft model as an adapter directory with its base model inside; return the files.
 
     `adapter_config.json` and `adapter_model.safetensors` (LoRA or the soft prompt, plus the
     trained task head) at the top, the frozen base in `base_model/`, and a copy of its
     `config.json` at the top with no weights beside it (a plain `from_pretrained` of the
     directory fails instead of loading the model without its adapter). Takes the model apart.
+
+    Args:
+        model: The trained peft model.
+        directory: Where to write.
+        home: Where the directory is read from once in place (default `directory`): the
+            adapter's `base_model_name_or_path` is `<home>/base_model`, absolute.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    # Relative, so the directory can move (an absolute path or a hub name would not follow it).
-    # peft and transformers resolve it against the working directory, not the adapter's:
-    # `load_finetuned` and the registry pass the base model explicitly instead.
-    model.peft_config["default"].base_model_name_or_path = BASE_MODEL_DIR
+    config = model.peft_config["default"]
+    # Absolute: `AutoPeftModelFor<Task>` resolves a relative path against the working directory,
+    # not the adapter's, so only an absolute one loads from anywhere. A moved workspace
+    # rewrites it (`tasks.common.workspace.open_workspace`); `load_finetuned` and the registry
+    # pass the base model explicitly and never read it.
+    config.base_model_name_or_path = os.path.join(
+        os.path.abspath(home or directory), BASE_MODEL_DIR
+    )
+    unique_modules_to_save(config)
     # The whole base is saved beside it: no embedding copies (peft's "auto" asks the hub).
     save = functools.partial(model.save_pretrained, save_embedding_layers=False)
     quiet_peft(save, str(directory))

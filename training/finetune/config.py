@@ -115,8 +115,8 @@ class StrategyConfig(BaseModel):
         "one transformers model that from_pretrained loads (full, feature_extraction, "
         "progressive_unfreezing, lora). adapter: the frozen base model in base_model/ and the "
         "adapter beside it (peft's adapter_config.json + adapter_model.safetensors for lora and "
-        "prompt_tuning, lmpipe's adapters.json for adapters). auto: merged where the strategy "
-        "can merge, else adapter.",
+        "prompt_tuning, lmpipe's adapters.json for adapters). auto: adapter where the strategy "
+        "trains one (lora, prompt_tuning, adapters), else merged.",
     )
 
     @model_validator(mode="after")
@@ -147,10 +147,11 @@ class StrategyConfig(BaseModel):
         return self
 
     def export_format(self) -> ExportFormat:
-        """`export` with auto resolved: merged where the strategy can merge, else adapter."""
+        """`export` with auto resolved: adapter where the strategy trains one, else merged."""
         if self.export != "auto":
             return self.export
-        return "merged" if self.name in MERGEABLE else "adapter"
+        # A peft strategy gives a peft adapter, as peft users expect (#40); LoRA merges on request.
+        return "adapter" if self.name in ADAPTER_STRATEGIES else "merged"
 
 
 class StoppingConfig(BaseModel):
@@ -158,7 +159,9 @@ class StoppingConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     metric: str | None = Field(
-        None, description="Validation metric to watch; default the task's primary metric."
+        None,
+        description="Validation metric to watch, by its name (accuracy; val_accuracy, its "
+        "MLflow name, means the same); default the task's primary metric.",
     )
     patience: int = Field(3, ge=1, description="Epochs without improvement before training stops.")
     min_delta: float = Field(0.0, ge=0, description="Smallest change that counts as improvement.")
@@ -245,7 +248,13 @@ class FinetuneConfig(AutoPrecision):
     model_name: str | None = Field(
         None, description="Registered model name; default <run name>-<task>."
     )
-    alias: str = Field("candidate", description="Registry alias set on the new version.")
+    alias: str = Field(
+        "candidate",
+        description="Registry alias that moves to the new version only when it is no worse than "
+        "the version holding it: the task's primary test metric on the same prepared data (it "
+        "also moves when they cannot be compared; docs/export.md, 'Aliases'). `newest` always "
+        "moves.",
+    )
     deepspeed_extra: dict[str, Any] = Field(
         default_factory=dict, description="Extra DeepSpeed keys merged over the generated ones."
     )

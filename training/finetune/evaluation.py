@@ -29,6 +29,10 @@ from training.scoring.metrics.metrics import compute_metrics, primary_metric
 
 log = logging.getLogger(__name__)
 
+#: The prefix of a split's metrics in MLflow and on the progress line (`val_f1_macro`,
+#: `test_loss`); `Evaluator.evaluate` and `result.json` keep the bare names.
+METRIC_PREFIX = {"validation": "val_", "test": "test_"}
+
 
 class Evaluator:
     """Evaluate a model on a split of `data`: shard by rank, gather, score."""
@@ -39,8 +43,13 @@ class Evaluator:
         self.predictions: dict[str, list[Any]] = {}
 
     def watched_metric(self, name: str | None) -> tuple[str, bool]:
-        """The early-stopping metric and whether higher is better (default: primary)."""
+        """The early-stopping metric and whether higher is better (default: primary).
+
+        `name` is a validation metric's bare name (`accuracy`); its MLflow name
+        (`val_accuracy`) means the same.
+        """
         primary, higher = primary_metric(self.data.task_type)
+        name = name.removeprefix(METRIC_PREFIX["validation"]) if name else name
         if name is None or name == primary:
             return primary, higher
         lower = name in ("loss", "perplexity", "mse") or name.endswith("_loss")

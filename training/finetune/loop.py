@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
+from tasks.common.io import git_commit
 from training.finetune.config import FinetuneConfig
 from training.finetune.data import TaskData, read_prepared
 from training.finetune.early_stopping import EarlyStopping
-from training.finetune.evaluation import Evaluator
+from training.finetune.evaluation import METRIC_PREFIX, Evaluator
 from training.finetune.outputs import confusion_entry, run_result, write_outputs
 from training.finetune.strategies import apply_strategy, head_prefixes_for
+from training.models.cards import DataRef, FinetuneCard, render_finetune_card
 from training.models.export import max_length
 from training.models.task_models import load_task_model
 from training.runtime.deepspeed import adamw_section, engine_config, merge
@@ -193,17 +195,24 @@ class FinetuneWorker:
         return result
 
     def _card(self, result: dict[str, Any]) -> str:
-        """The export's README: base model, task, strategy, metrics."""
-        rows = [
-            ("base model", str(self.job.model_dir)),
-            ("initialisation", "random" if self.cfg.random_init else "pretrained"),
-            ("task type", self.data.task_type),
-            ("strategy", self.cfg.strategy.name),
-            ("best epoch", str(result["best_epoch"] + 1)),
-            *((f"test {k}", f"{v:.4f}") for k, v in sorted(result["test"].items())),
-        ]
-        table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-        return f"# Fine-tuned with lmpipe\n\n| field | value |\n|---|---|\n{table}\n"
+        """The export's README: the Hub metadata block, then base model, task, test metrics."""
+        metric, higher = self.evaluator.watched_metric(None)  # the task's primary metric
+        manifest = self.data.manifest
+        card = FinetuneCard(
+            task_type=self.data.task_type,
+            task_name=str(manifest.get("name", self.data.task_type)),
+            labels=self.data.labels,
+            strategy=self.cfg.strategy.name,
+            random_init=self.cfg.random_init,
+            base_model=str(self.job.model_dir),
+            data=DataRef(path=str(self.job.data_dir), fingerprint=manifest.get("fingerprint", "")),
+            best_epoch=result["best_epoch"] + 1,
+            metric=metric,
+            higher_is_better=higher,
+            test={k: float(v) for k, v in result["test"].items() if _is_number(v)},
+            git_commit=git_commit() or "unknown",
+        )
+        return render_finetune_card(card)
 
     def train_epoch(self, epoch: int) -> float:
         """One pass over this rank's share of the training features; the mean loss.
@@ -242,13 +251,26 @@ class FinetuneWorker:
         self.progress.log(self.step, numbers, phase=f"epoch {row['epoch'] + 1}/{self.cfg.epochs}")
 
     def _log(self, row: dict[str, Any]) -> None:
+        """Log an epoch (rank 0): to MLflow at the step it ended on, and to `history.jsonl`."""
         if self.ctx.rank != 0:
             return
-        numbers = {k: float(v) for k, v in row.items() if _is_number(v) and k != "epoch"}
-        self.tracker.log_metrics(numbers, step=int(row["epoch"]))
+        metrics = epoch_metrics(row)
+        self.tracker.log_metrics(metrics, step=int(row["step"]))
         with open(self.ctx.run_dir / "history.jsonl", "a") as handle:
             handle.write(json.dumps(row) + "\n")
-        log.info("epoch %d: %s", row["epoch"], {k: round(v, 4) for k, v in numbers.items()})
+        log.info("epoch %d: %s", row["epoch"], {k: round(v, 4) for k, v in metrics.items()})
+
+
+def epoch_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """An epoch's MLflow metrics: `train_loss`, and each validation metric as `val_<name>`.
+
+    The epoch and its step are no metrics: the step is the MLflow step they are logged at,
+    and `history.jsonl` pairs it with the epoch.
+    """
+    val = METRIC_PREFIX["validation"]
+    numbers = {k: float(v) for k, v in row.items() if _is_number(v)}
+    metrics = {"train_loss": numbers.pop("train_loss")} if "train_loss" in numbers else {}
+    return metrics | {f"{val}{k}": v for k, v in numbers.items() if k not in ("epoch", "step")}
 
 
 def _is_number(value: Any) -> bool:

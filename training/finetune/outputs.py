@@ -35,11 +35,10 @@ RESULT_FILE = "result.json"
 # Appended to the card of an adapter export: how to load it (docs/strategies.md, "Exports").
 _LOADING = {
     "peft": "\n## Loading\n\nA peft adapter (`adapter_config.json`, `adapter_model.safetensors`) "
-    "with its frozen base model in `base_model/`. `base_model_name_or_path` is the relative "
-    "path `base_model`, which peft resolves against the working directory: from inside this "
-    'directory, `AutoPeftModelFor<Task>.from_pretrained(".")`; from anywhere, '
-    '`PeftModel.from_pretrained(AutoModelFor<Task>.from_pretrained("<dir>/base_model"), '
-    '"<dir>")` or `training.finetune.adapters.load_finetuned(<dir>, task_type)`. '
+    "with its frozen base model in `base_model/`, which `base_model_name_or_path` names by its "
+    "absolute path (rewritten when lmpipe opens a moved or copied workspace): "
+    '`AutoPeftModelFor<Task>.from_pretrained("<dir>")` from any working directory, or '
+    "`training.finetune.adapters.load_finetuned(<dir>, task_type)`. "
     "`from_pretrained` of this directory alone fails: it holds no model weights.\n",
     "adapters": "\n## Loading\n\nlmpipe bottleneck adapters (`adapters.json`, "
     "`adapters.safetensors`; peft has no such method) beside the model without them in "
@@ -132,7 +131,7 @@ def write_outputs(
     out_dir = run_dir / EXPORT_DIR
     staged = Path(tempfile.mkdtemp(prefix=".export-", dir=run_dir))
     try:
-        plan.save_export(staged)
+        plan.save_export(staged, home=out_dir)  # a peft adapter names its base in `out_dir`
         layout = export_layout(staged)
         # The base model of an adapter export is a complete Hugging Face directory too.
         for home in [staged, staged / BASE_MODEL_DIR] if layout != "model" else [staged]:

@@ -3,8 +3,9 @@
 `run_finetune` trains on Ray (`training/finetune/loop.py`) into `<root>/<key>/` (a run as a
 stage output, `training/runtime/driver.py`), where the key hashes the prepared task data, the
 base model's files, the config, the seed and the code, so the same inputs reuse a finished run.
-`finetune_stage` adds tracking: params, per-epoch metrics, test metrics, the report artifact,
-and registration of the export with lineage to its base.
+`finetune_stage` adds tracking: params, per-epoch metrics (`train_loss`, `val_<metric>`), test
+metrics (`test_<metric>`), the report artifact, and registration of the export with lineage to
+its base.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from tasks.common.caching import stage_task
 from tasks.common.io import fingerprint, flatten, sha256_file
 from tasks.common.stage import StageOutput, complete_manifest
 from training.finetune.config import FinetuneConfig
+from training.finetune.evaluation import METRIC_PREFIX
 from training.finetune.loop import FINETUNE_LOOP, FinetuneJob
 from training.finetune.outputs import RESULT_FILE
 from training.models.config import BaseModelRef
+from training.models.export import export_layout
 from training.runtime.driver import EXPORT_DIR, RunDirectory, RunIdentity, upstream_ref
 from training.runtime.launcher import describe_scale, resolve_scale, scale_params
 from training.runtime.progress import ProgressSpec, artifact_key
@@ -228,7 +231,7 @@ def _publish(
     from training.scoring.report import finetune_report
 
     tracker = MlflowTracker(uri, mlflow_run)
-    test = {f"test_{k}": float(v) for k, v in run.result["test"].items()}
+    test = {f"{METRIC_PREFIX['test']}{k}": float(v) for k, v in run.result["test"].items()}
     tracker.log_metrics(test | {"best_epoch": float(run.result["best_epoch"])})
     for path in finetune_report(run.run_dir, run.result, task):
         tracker.log_artifact(path, "report")
@@ -238,7 +241,14 @@ def _publish(
     name = cfg.model_name or f"{run_name}-{task.get('name', task['task_type'])}"
     tags = lineage | {"finetune_run": run.run_dir.name, "task_type": task["task_type"]}
     registration = Registration(name, cfg.alias, tags)
-    ref = register_export(run.export_dir, family, uri, mlflow_run, registration, task["task_type"])
+    task_type, code_model = task["task_type"], None
+    if export_layout(run.export_dir) == "adapters":  # MLflow's own loaders cannot serve it
+        from training.finetune.serving import adapters_code_model  # imports MLflow: seconds
+
+        code_model = adapters_code_model(run.export_dir, task_type)
+    ref = register_export(
+        run.export_dir, family, uri, mlflow_run, registration, task_type, code_model
+    )
     return {"model_name": ref.name, "model_version": ref.version, "model_uri": ref.model_uri}
 
 

@@ -323,7 +323,7 @@ class StrategyPlan:
             return adapter_lib.quiet_peft(wrapper.merge_and_unload)  # type: ignore[no-any-return]
         return self.model  # type: ignore[return-value]
 
-    def save_export(self, directory: Path) -> list[Path]:
+    def save_export(self, directory: Path, home: Path | None = None) -> list[Path]:
         """Write the trained model as `cfg.export` says to `directory` (ends the plan).
 
         merged: `save_pretrained` of `merge_and_export_model()`. adapter: the frozen base model
@@ -331,6 +331,11 @@ class StrategyPlan:
         `adapters.json` + `adapters.safetensors` (adapters), with the base's `config.json` at
         the top and no weights there: a plain `from_pretrained` of the directory fails.
         Load any of them with `training.finetune.adapters.load_finetuned`.
+
+        Args:
+            directory: Where to write.
+            home: Where `directory` is renamed to once written (default `directory`): a peft
+                adapter names its base model as `<home>/base_model` (`save_peft_export`).
 
         Returns:
             The files written.
@@ -340,7 +345,7 @@ class StrategyPlan:
             return sorted(p for p in directory.rglob("*") if p.is_file())
         if self.cfg.name != "adapters":
             self._end()
-            return adapter_lib.save_peft_export(self.model, directory)
+            return adapter_lib.save_peft_export(self.model, directory, home)
         self._end()
         adapter_lib.remove_adapters(self.model)
         base: Any = self.model  # the model without its adapters, with the trained head

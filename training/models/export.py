@@ -1,12 +1,15 @@
 """Export a trained model as a Hugging Face directory, check it reloads, and load outside weights.
 
-Here: consolidating DeepSpeed checkpoints into fp32 weights (`gather_state_dict`), the model card
-(`ModelCard`, `render_card`, `read_card`), the atomic export (`export_model`), the reload check
-(`reload_check`), the safetensors-only loader for user weights (`load_external_weights`), the
-layouts of a fine-tuned export (`export_layout`) and the loader of its peft layout
-(`load_peft_export`). Not here: building models (`training/models/models.py`), saving adapters
-and loading lmpipe's (`training/finetune/adapters.py`) and the MLflow registry
-(`training/tracking/registry.py`).
+Here: consolidating DeepSpeed checkpoints into fp32 weights (`gather_state_dict`), the atomic
+export (`export_model`), the reload check (`reload_check`), the loader of the model a pretrained
+export serves its pipeline with (`load_serving_model`), the safetensors-only loader for user
+weights (`load_external_weights`), the layouts of a fine-tuned export (`export_layout`) and the
+loader of its peft layout (`load_peft_export`, with `unique_modules_to_save`), and keeping
+transformers' load report of deliberately left-out weights off the terminal
+(`quiet_load_report`). Not here: the model card and the pipeline task an export serves
+(`training/models/cards.py`; the card's names are importable from here too), building models
+(`training/models/models.py`), saving adapters and loading lmpipe's
+(`training/finetune/adapters.py`) and the MLflow registry (`training/tracking/registry.py`).
 """
 
 from __future__ import annotations
@@ -19,14 +22,12 @@ import shutil
 import tempfile
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
-from pydantic import BaseModel, ConfigDict, Field
+import transformers
 from safetensors.torch import load_file
 from torch import Tensor
 from transformers import (
@@ -41,23 +42,21 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from training.models.models import FAMILIES, PAD_OFFSET_POSITIONS, Family
+from training.models.cards import DataRef as DataRef
+from training.models.cards import ModelCard as ModelCard
+from training.models.cards import ModelFamily as ModelFamily
+from training.models.cards import TokenizerRef as TokenizerRef
+from training.models.cards import read_card as read_card
+from training.models.cards import render_card, serving_class
+from training.models.models import FAMILIES, PAD_OFFSET_POSITIONS
 
 log = logging.getLogger(__name__)
 
-ModelFamily = Family
-
 # The Auto class that reloads each family's pretraining head from an export.
 AUTO_CLASSES: dict[str, Any] = {family: spec.auto for family, spec in FAMILIES.items()}
-# transformers 5 has no text2text-generation pipeline; T5 and BART serve as text-generation
-# (docs/stack.md, "transformers 5 pipelines").
-PIPELINE_TASKS: dict[str, str] = {
-    family: "fill-mask" if spec.kind == "encoder" else "text-generation"
-    for family, spec in FAMILIES.items()
-}
 GENERATIVE = frozenset(family for family, spec in FAMILIES.items() if spec.kind != "encoder")
 # Fine-tuned exports (keyed by downstream task type, tasks/common/schema.py): the Auto class that
-# reloads them and the MLflow/transformers pipeline task they serve.
+# reloads them (the pipeline task they serve: `training.models.cards.TASK_PIPELINES`).
 TASK_AUTO_CLASSES: dict[str, Any] = {
     "classification": AutoModelForSequenceClassification,
     "regression": AutoModelForSequenceClassification,
@@ -65,14 +64,6 @@ TASK_AUTO_CLASSES: dict[str, Any] = {
     "question_answering": AutoModelForQuestionAnswering,
     "seq2seq": AutoModelForSeq2SeqLM,
     "causal_lm": AutoModelForCausalLM,
-}
-TASK_PIPELINES: dict[str, str] = {
-    "classification": "text-classification",
-    "regression": "text-classification",
-    "token_classification": "token-classification",
-    "question_answering": "question-answering",
-    "seq2seq": "text-generation",
-    "causal_lm": "text-generation",
 }
 # Weight formats that unpickle on load, so can run code: never read from outside.
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"})
@@ -135,89 +126,6 @@ def gather_state_dict(checkpoint_dir: Path, tag: str) -> dict[str, Tensor]:
     }
 
 
-class DataRef(BaseModel):
-    """The example-stage output a model was trained on."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    path: str = Field(description="URI or path of the example stage's manifest.")
-    fingerprint: str = Field(description="The example stage's output fingerprint.")
-
-
-class TokenizerRef(BaseModel):
-    """The tokenizer a model was trained with."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    fingerprint: str = Field(description="The tokenizer stage's output fingerprint.")
-    family: str = Field(description="wordpiece, bpe or unigram.")
-    vocab_size: int = Field(gt=0, description="Tokens in the vocabulary, specials included.")
-
-
-class ModelCard(BaseModel):
-    """What a model is and how it was made; rendered as the export's README.md."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    family: ModelFamily = Field(description="Model family (bert, roberta, gpt2, llama, t5).")
-    size: str = Field(description="Named size from the model registry, e.g. tiny or base.")
-    parameters: int = Field(ge=0, description="Number of parameters (tied weights once).")
-    objective: str = Field(description="Pretraining objective, e.g. mlm+nsp, clm, span.")
-    steps: int = Field(ge=0, description="Optimizer steps taken.")
-    tokens_seen: int = Field(ge=0, description="Training tokens consumed, padding excluded.")
-    data: DataRef
-    tokenizer: TokenizerRef
-    metrics: dict[str, float] = Field(default_factory=dict, description="Final metrics.")
-    deepspeed: dict[str, str | int | float | bool] = Field(
-        default_factory=dict, description="DeepSpeed summary: ZeRO stage, precision, batch."
-    )
-    git_commit: str = Field(description="Commit of the code that trained the model.")
-    created: datetime = Field(default_factory=lambda: datetime.now(UTC), description="UTC.")
-
-
-def _table(rows: Mapping[str, object]) -> str:
-    lines = ["| field | value |", "|---|---|"]
-    lines += [f"| {key} | {value} |" for key, value in rows.items()]
-    return "\n".join(lines)
-
-
-def render_card(card: ModelCard) -> str:
-    """Render `card` as a Hugging Face README: YAML front matter, then readable sections."""
-    front = {
-        "library_name": "transformers",
-        "pipeline_tag": PIPELINE_TASKS[card.family],
-        "tags": ["lmpipe", card.family, card.objective],
-        "lmpipe": card.model_dump(mode="json"),  # the card itself, for `read_card`
-    }
-    d = card.data
-    t = card.tokenizer
-    sections = [
-        f"# {card.family}-{card.size}",
-        f"A {card.parameters:,}-parameter {card.family} model pretrained with lmpipe "
-        f"({card.objective}, {card.steps:,} steps, {card.tokens_seen:,} tokens).",
-        "## Model\n\n"
-        + _table({"family": card.family, "size": card.size, "parameters": card.parameters}),
-        "## Training\n\n"
-        + _table(
-            {"objective": card.objective, "steps": card.steps, "tokens seen": card.tokens_seen}
-        ),
-        "## Data\n\n" + _table({"manifest": d.path, "fingerprint": d.fingerprint}),
-        "## Tokenizer\n\n"
-        + _table({"family": t.family, "vocab size": t.vocab_size, "fingerprint": t.fingerprint}),
-        "## Final metrics\n\n" + (_table(card.metrics) if card.metrics else "None recorded."),
-        "## DeepSpeed\n\n" + (_table(card.deepspeed) if card.deepspeed else "Not used."),
-        "## Provenance\n\n"
-        + _table({"git commit": card.git_commit, "created": card.created.isoformat()}),
-    ]
-    return (
-        "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n" + "\n\n".join(sections) + "\n"
-    )
-
-
-def read_card(hf_dir: Path) -> ModelCard:
-    """Parse the `ModelCard` back from an export's README.md front matter."""
-    text = (hf_dir / "README.md").read_text(encoding="utf-8")
-    _, front, _ = text.split("---\n", 2)
-    return ModelCard.model_validate(yaml.safe_load(front)["lmpipe"])
-
-
 def max_length(model: PreTrainedModel, default: int) -> int:
     """Longest input the model's position embeddings allow (T5, relative positions: `default`)."""
     config = model.config
@@ -276,12 +184,43 @@ def export_layout(hf_dir: Path) -> ExportLayout:
     return "model"
 
 
+def unique_modules_to_save(config: Any) -> None:
+    """Drop repeated names from a peft config's `modules_to_save` (in place), keeping the order.
+
+    peft's sequence-classification model appends `classifier` and `score` to the list each time
+    it wraps or loads a model, whether or not the list names them already.
+    """
+    names = getattr(config, "modules_to_save", None)
+    if names:
+        config.modules_to_save = list(dict.fromkeys(names))
+
+
+@contextlib.contextmanager
+def quiet_load_report() -> Iterator[None]:
+    """Keep transformers' LOAD REPORT of weights a load leaves out off the terminal in a block.
+
+    transformers 5 logs the report at WARNING on `transformers.modeling_utils` (a table of
+    unexpected and missing keys, e.g. BERT's pooler and sentence-pair head when a masked-LM
+    class loads a pretraining export). Only that logger is raised to ERROR for the block and
+    restored after it: transformers' other warnings, and its verbosity elsewhere, are untouched.
+    A mismatched or unconverted weight still raises.
+    """
+    logger = transformers.utils.logging.get_logger("transformers.modeling_utils")
+    previous = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+
+
 def load_peft_export(hf_dir: Path, task_type: str) -> Any:
     """Load a peft adapter export offline, from any working directory: a peft model.
 
-    The base model is loaded from `base_model/` and given to peft, not looked up through the
-    adapter's relative `base_model_name_or_path` (which peft resolves against the working
-    directory).
+    The base model is loaded from `base_model/` and given to peft, never looked up through the
+    adapter's `base_model_name_or_path` (absolute at export, but stale once the directory moves
+    without `tasks.common.workspace.open_workspace` re-rooting it). peft appends the task head
+    to `modules_to_save` again on load; the loaded config lists each module once.
 
     Raises:
         UnsafeWeightsError: a pickle weights file, or no `adapter_model.safetensors`.
@@ -300,9 +239,12 @@ def load_peft_export(hf_dir: Path, task_type: str) -> Any:
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
         # peft reads adapter_model.safetensors when it is there (checked above); it passes
         # `use_safetensors` on unread, stated for the static check of loading calls.
-        return peft.PeftModel.from_pretrained(
+        model = peft.PeftModel.from_pretrained(
             base, str(hf_dir), local_files_only=True, use_safetensors=True
         )
+    for config in model.peft_config.values():
+        unique_modules_to_save(config)
+    return model
 
 
 def _save_tokenizer(model: PreTrainedModel, tokenizer_dir: Path, dst: Path) -> None:
@@ -389,6 +331,33 @@ def load_export(
         raise ExportCheckError(f"{hf_dir} does not match a {family} model: {bad}")
     tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     return model, tok
+
+
+def load_serving_model(hf_dir: Path, family: str) -> PreTrainedModel:
+    """Load a pretrained export as the class its pipeline serves with (`serving_class`).
+
+    Every weight of that class must come from the export; the export's other heads (BERT's
+    sentence-pair head, ELECTRA's replaced-token head) are left out, without transformers'
+    load report on the terminal (`quiet_load_report`; the keys are logged at DEBUG).
+
+    Raises:
+        UnsafeWeightsError: The directory has only pickle weights.
+        ExportCheckError: A weight of the serving class is not in the export.
+    """
+    require_safetensors(hf_dir)
+    cls = getattr(transformers, serving_class(family))
+    # transformers reports the left-out heads as unexpected keys: expected here, so not shown.
+    with quiet_load_report():
+        model, info = cls.from_pretrained(
+            hf_dir, local_files_only=True, use_safetensors=True, output_loading_info=True
+        )
+    log.debug("%s leaves out %s of %s", cls.__name__, sorted(info["unexpected_keys"]), hf_dir)
+    if info["missing_keys"] or info["mismatched_keys"]:
+        raise ExportCheckError(
+            f"{hf_dir} lacks weights of {cls.__name__}: "
+            f"{sorted(info['missing_keys'])[:5]} {info['mismatched_keys'][:5]}"
+        )
+    return model  # type: ignore[no-any-return]
 
 
 def reload_check(

@@ -158,7 +158,12 @@ class TrainConfig(AutoPrecision):
     model_name: str | None = Field(
         None, description="Registered model name; default <run name>-<family>."
     )
-    alias: str = Field("candidate", description="Registry alias set on the new model version.")
+    alias: str = Field(
+        "candidate",
+        description="Registry alias that moves to the new model version only when it is no worse "
+        "than the version holding it: lower or equal eval_loss on the same examples (it also "
+        "moves when they cannot be compared; docs/export.md, 'Aliases'). `newest` always moves.",
+    )
 
     @model_validator(mode="after")
     def _distillation_needs_distilbert(self) -> TrainConfig:

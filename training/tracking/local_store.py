@@ -12,13 +12,20 @@ it is opened at now, and records that root in a table of its own (`ROOT_TABLE`; 
 tables it does not define). A store from before this table is re-rooted from the root its
 experiments' `mlartifacts` locations name. A remote tracking server is never touched here.
 
-Only `sqlite3` is used: re-rooting costs a query, never an MLflow import.
+Only `sqlite3` is used: re-rooting costs a query, never an MLflow import. A new store is a copy
+of a template MLflow created once per MLflow version (`seed_local_store`): MLflow's migrations
+took 1.7-1.9 s of a command in a fresh workspace, a copy 0.04 s. MLflow imports itself only to
+make the template.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import sqlite3
+import time
+from importlib.metadata import version
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -56,6 +63,62 @@ def open_local_store(workspace: Path) -> str:
         if moved is not None:
             log.info("%s: artifact locations moved from %s to %s", db, moved, db.parent)
     return f"sqlite:///{db}"
+
+
+def seed_local_store(workspace: Path, templates: Path) -> bool:
+    """Give a workspace without a store a copy of MLflow's own new store; say if one was copied.
+
+    The copy is what MLflow would have made there: its schema at the installed version, the
+    `Default` experiment (id 0) created now, its artifacts under `./mlruns/0` of the working
+    directory (MLflow's default for a SQLite store). An existing store is left alone.
+    """
+    db = (workspace / STORE_FILE).resolve()
+    if db.exists():
+        return False
+    template = store_template(templates)
+    db.parent.mkdir(parents=True, exist_ok=True)
+    tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
+    shutil.copyfile(template, tmp)
+    try:
+        con = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            now_ms = int(time.time() * 1000)
+            con.execute(
+                "UPDATE experiments SET artifact_location = ?, creation_time = ?, "
+                "last_update_time = ? WHERE experiment_id = 0",
+                (os.path.join(os.getcwd(), "mlruns", "0"), now_ms, now_ms),
+            )
+        finally:
+            con.close()
+        os.link(tmp, db)  # never over a store another command made meanwhile
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True
+
+
+def store_template(templates: Path) -> Path:
+    """The pristine store of the installed MLflow version under `templates`; made once by MLflow.
+
+    MLflow creates it as it creates any new SQLite store (every migration), in a temporary
+    file renamed into place, so concurrent commands each see a whole template.
+    """
+    path = templates / f"mlflow-{version('mlflow')}.db"
+    if path.is_file():
+        return path
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    scratch = templates / f".mlflow-template.{os.getpid()}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    try:
+        store = SqlAlchemyStore(f"sqlite:///{scratch / STORE_FILE}", str(scratch / "mlruns"))
+        store.engine.dispose()
+        os.replace(scratch / STORE_FILE, path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    log.info("made the MLflow store template %s", path)
+    return path
 
 
 def reroot_store(db: Path, root: Path) -> str | None:

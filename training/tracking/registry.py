@@ -1,15 +1,17 @@
 """Register exported models in the MLflow model registry, find them again and load them offline.
 
-Here: `register_export` (log an export as an MLflow model attached to a run, register it, alias
-it, tag its lineage), `resolve_version` and `download_model`. Not here: writing the export
-(`training/models/export.py`, `training/finetune/strategies.py`) and run tracking
-(`training/tracking/runs.py`).
+Here: `register_export` (log an export as an MLflow model attached to a run, register it, tag its
+lineage, describe it by its model card's summary, move its aliases), `resolve_version` and
+`download_model`. Not here: how each export layout is logged so that it serves
+(`training/tracking/flavors.py`), which version an alias points at
+(`training/tracking/aliases.py`), writing the export (`training/models/export.py`,
+`training/finetune/strategies.py`) and run tracking (`training/tracking/runs.py`).
 
-Each export layout (`training.models.export.export_layout`) is logged so that loading the
-registered version never gives the model without its adapters: a plain export and a peft adapter
-export as the transformers flavor (`mlflow.transformers.load_model` returns the peft model with
-the base model from inside the artifact), lmpipe's bottleneck adapters as a flavor of their own
-that MLflow's loaders refuse (`download_model`, then `training.finetune.adapters.load_finetuned`).
+A plain export and a peft adapter export serve through `mlflow.pyfunc` and
+`mlflow.transformers.load_model` (which returns the peft model with the base model from inside
+the artifact); lmpipe's bottleneck adapters serve through `mlflow.pyfunc` only when registered
+with their `CodeModel`, and MLflow's transformers loader refuses them (`download_model`, then
+`training.finetune.adapters.load_finetuned`).
 
 MLflow is imported inside the functions: importing it costs seconds and most callers never
 register anything.
@@ -17,7 +19,6 @@ register anything.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -25,37 +26,36 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import yaml
-from huggingface_hub import ModelCard as HubModelCard
 
 from tasks.common.io import UnsafePathError, safe_join, safe_name
+from training.models.cards import card_summary
 from training.models.export import (
     BASE_MODEL_DIR,
     PEFT_CONFIG_FILE,
     PEFT_WEIGHTS_FILE,
-    PIPELINE_TASKS,
-    TASK_PIPELINES,
     assert_safetensors_only,
-    export_layout,
-    load_export,
-    load_peft_export,
 )
+from training.tracking.aliases import (
+    NEWEST_ALIAS,
+    AliasDecision,
+    current_holder,
+    decide_candidate,
+    describe,
+    model_description,
+    selection_of,
+)
+from training.tracking.flavors import ADAPTERS_FLAVOR as ADAPTERS_FLAVOR
+from training.tracking.flavors import MODEL_NAME_IN_RUN, CodeModel, log_export, set_base_path
+from training.tracking.flavors import pip_requirements as pip_requirements
 
 log = logging.getLogger(__name__)
 
-MODEL_NAME_IN_RUN = "model"  # the LoggedModel's name
 HF_ARTIFACT_DIR = "hf_model"  # the export, verbatim, among the run's artifacts
-# Explicit, because inferring them imports torchvision, which we do not install (docs/stack.md,
-# "MLflow's transformers flavor").
-_PIP_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors")
 _URI_VARIABLE = "MLFLOW_TRACKING_URI"
-# The MLmodel flavor of a bottleneck-adapter export: not `transformers` nor `python_function`, so
-# MLflow's loaders refuse it rather than load the model without its adapters.
-ADAPTERS_FLAVOR = "lmpipe_bottleneck_adapters"
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,9 @@ class Registration:
 
     Attributes:
         model_name: Registered model name.
-        alias: Alias to point at the new version, e.g. `candidate`.
+        alias: The gated alias, e.g. `candidate`: it moves to the new version only when that
+            is no worse than the version holding it (`training.tracking.aliases`). `newest`
+            always moves.
         tags: Lineage tags for the version: corpus manifest, tokenizer and example config
             hashes, DeepSpeed config JSON, git commit.
     """
@@ -81,7 +83,8 @@ class ModelVersionRef:
     Attributes:
         name: Registered model name.
         version: Version number, as MLflow spells it (a string).
-        alias: The alias it was found or registered under; None when looked up by number.
+        alias: The alias it was found under, or given at registration (the gated alias when
+            that moved to it, else `newest`); None when looked up by number.
         model_uri: `models:/<name>/<version>`, for `mlflow.*.load_model` and `download_model`.
         source: Where the version's files live: `models:/m-<id>`, the run's LoggedModel.
     """
@@ -108,72 +111,6 @@ def check_model_name(name: str) -> str:
     return name
 
 
-def pip_requirements(with_peft: bool = False) -> list[str]:
-    """Pin the packages a logged model needs to the installed versions (no local labels)."""
-    names = (*_PIP_PACKAGES, "peft") if with_peft else _PIP_PACKAGES
-    return [f"{name}=={version(name).split('+')[0]}" for name in names]
-
-
-def _set_base_path(adapter_dir: Path, base: str) -> None:
-    """Point a peft adapter's `base_model_name_or_path` at `base` (a relative path)."""
-    config_file = adapter_dir / PEFT_CONFIG_FILE
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    config["base_model_name_or_path"] = base
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-class _PeftTransformersFlavor:
-    """`mlflow.transformers` for a peft model, with the untouched base model's weights.
-
-    MLflow 3.17 saves a peft model's base with `model.base_model.model.save_pretrained`: with
-    LoRA injected, the projections are saved as `...query.base_layer.weight`, which
-    `from_pretrained` does not match, so the loaded base would get fresh random projections
-    under the adapter. The export's own `base_model/` replaces them. `mlflow.transformers.
-    load_model` gives the base to peft itself, so the adapter's relative path is only a hint
-    for a reader of the artifact.
-    """
-
-    __name__ = "mlflow.transformers"
-
-    def __init__(self, base_dir: Path) -> None:
-        """Log the weights of `base_dir` as the peft model's base."""
-        self.base_dir = base_dir
-
-    def save_model(self, path: str, mlflow_model: Any, **kwargs: Any) -> None:
-        """Save as `mlflow.transformers.save_model` does, then put the clean base in place."""
-        import mlflow
-
-        mlflow.transformers.save_model(path=path, mlflow_model=mlflow_model, **kwargs)
-        root = Path(path)
-        flavor = yaml.safe_load((root / "MLmodel").read_text())["flavors"]["transformers"]
-        binary, adapter = root / str(flavor["model_binary"]), root / str(flavor["peft_adaptor"])
-        shutil.rmtree(binary)
-        shutil.copytree(self.base_dir, binary)
-        _set_base_path(adapter, os.path.relpath(binary, adapter))
-        (adapter / "README.md").unlink(missing_ok=True)  # peft's template: this machine's paths
-
-
-class _AdaptersFlavor:
-    """A bottleneck-adapter export, verbatim under `model/`, in a flavor MLflow cannot load."""
-
-    __name__ = ADAPTERS_FLAVOR
-
-    def __init__(self, hf_dir: Path, task_type: str) -> None:
-        """Log the export `hf_dir` of a `task_type` model."""
-        self.hf_dir, self.task_type = hf_dir, task_type
-
-    def save_model(self, path: str, mlflow_model: Any, **kwargs: Any) -> None:
-        """Copy the export and write an MLmodel naming lmpipe's loader."""
-        shutil.copytree(self.hf_dir, Path(path) / "model")
-        mlflow_model.add_flavor(
-            ADAPTERS_FLAVOR,
-            model_binary="model",
-            task_type=self.task_type,
-            loader="training.finetune.adapters.load_finetuned (after download_model)",
-        )
-        mlflow_model.save(str(Path(path) / "MLmodel"))
-
-
 @contextmanager
 def _tracking_uri(uri: str) -> Iterator[None]:
     """Point MLflow's global tracking URI at `uri` for a block, then restore it exactly.
@@ -196,67 +133,61 @@ def _tracking_uri(uri: str) -> Iterator[None]:
             os.environ[_URI_VARIABLE] = previous_env
 
 
-def _log_flavor(
-    client: Any, run: Any, hf_dir: Path, family: str, task_type: str | None = None
+def _ensure_registered_model(client: Any, name: str, alias: str) -> None:
+    """Create registered model `name`, described by what its aliases mean, unless it exists.
+
+    An existing model without a description gets one; a description someone wrote stays.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+
+    try:
+        client.create_registered_model(name, description=model_description(alias))
+    except MlflowException as err:
+        if err.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            raise
+        if not client.get_registered_model(name).description:
+            client.update_registered_model(name, description=model_description(alias))
+
+
+def _log_model(
+    client: Any, run: Any, hf_dir: Path, family: str, task_type: str | None, code: CodeModel | None
 ) -> str:
-    """Log `hf_dir` as an MLflow model of `run` (see the module docstring); return its id.
+    """Log `hf_dir` as an MLflow model of `run` (`flavors.log_export`); return its id.
 
     The LoggedModel is created first, in the run's experiment: given only `run_id`,
     `log_model` files it under the *active* experiment (Default, with artifacts under
     `./mlruns` of the cwd) instead. Nothing here starts or ends the run.
     """
-    import mlflow
-    from transformers import AutoTokenizer
-
-    layout = export_layout(hf_dir)
-    if layout != "model" and task_type is None:
-        raise ValueError(f"{hf_dir} is an adapter export: register it with its task_type")
     logged = client.create_logged_model(
         experiment_id=run.info.experiment_id, name=MODEL_NAME_IN_RUN, source_run_id=run.info.run_id
     )
     ids = {"name": MODEL_NAME_IN_RUN, "model_id": logged.model_id, "run_id": run.info.run_id}
-    if layout == "adapters" and task_type is not None:
-        mlflow.models.Model.log(None, _AdaptersFlavor(hf_dir, task_type), **ids)
-        return str(logged.model_id)
-    task = PIPELINE_TASKS[family] if task_type is None else TASK_PIPELINES[task_type]
-    if layout == "model":
-        # load_export refuses pickle-only weights: before anything else reads the directory.
-        model, tok = load_export(hf_dir, family, task_type)
-        card = HubModelCard.load(hf_dir / "README.md")
-        components: dict[str, Any] = {"model": model, "tokenizer": tok}
-        mlflow.transformers.log_model(
-            components, task=task, model_card=card, pip_requirements=pip_requirements(), **ids
-        )
-        return str(logged.model_id)
-    tok = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    peft_model = load_peft_export(hf_dir, str(task_type))
-    card = HubModelCard.load(hf_dir / "README.md")
-    # peft's save asks the hub whether the base's vocabulary changed unless this names a local
-    # directory; the artifact gets a relative path (`_PeftTransformersFlavor`).
-    base_dir = (hf_dir / BASE_MODEL_DIR).resolve()
-    peft_model.peft_config["default"].base_model_name_or_path = str(base_dir)
-    components = {"model": peft_model, "tokenizer": tok}
-    mlflow.models.Model.log(
-        None,
-        _PeftTransformersFlavor(hf_dir / BASE_MODEL_DIR),
-        transformers_model=components,
-        task=task,
-        model_card=card,
-        pip_requirements=pip_requirements(with_peft=True),
-        **ids,
-    )
+    log_export(ids, hf_dir, family, task_type, code)
     return str(logged.model_id)
 
 
-def _ensure_registered_model(client: Any, name: str) -> None:
-    from mlflow.exceptions import MlflowException
-    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+def _decide(
+    client: Any, name: str, alias: str, hf_dir: Path
+) -> tuple[AliasDecision, dict[str, str]]:
+    """Whether `alias` moves to a new version of `name` made from `hf_dir`; its version tags."""
+    selection = selection_of(hf_dir)
+    if alias == NEWEST_ALIAS:
+        decision = AliasDecision(True, f"@{NEWEST_ALIAS} always moves")
+    else:
+        held, current = current_holder(client, name, alias)
+        decision = decide_candidate(selection, current, held)
+    return decision, selection.tags() | decision.tags()
 
-    try:
-        client.create_registered_model(name)
-    except MlflowException as err:
-        if err.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
-            raise
+
+def _move_aliases(client: Any, name: str, version: str, alias: str, decision: AliasDecision) -> str:
+    """Point `newest`, and `alias` when `decision` says so, at `version`; return its alias."""
+    if decision.move:
+        client.set_registered_model_alias(name, alias, version)
+    client.set_registered_model_alias(name, NEWEST_ALIAS, version)
+    verb = "moved to" if decision.move else "stayed away from"
+    log.info("@%s %s %s version %s: %s", alias, verb, name, version, decision.reason)
+    return alias if decision.move else NEWEST_ALIAS
 
 
 def register_export(
@@ -266,11 +197,14 @@ def register_export(
     run_id: str,
     registration: Registration,
     task_type: str | None = None,
+    code_model: CodeModel | None = None,
 ) -> ModelVersionRef:
-    """Log an export to run `run_id`, register it as a new version of a model, alias and tag it.
+    """Log an export to run `run_id`, register it as a new version of a model, tag and alias it.
 
-    The run's status is left as it was (a RUNNING run stays RUNNING): the run is only
-    written to through `MlflowClient`, never entered with `mlflow.start_run`.
+    The version's description is its model card's summary, then the decision about the gated
+    alias (`training.tracking.aliases`); `newest` always moves to it. The run's status is left
+    as it was (a RUNNING run stays RUNNING): the run is only written to through
+    `MlflowClient`, never entered with `mlflow.start_run`.
 
     Args:
         hf_dir: An export written by `training.models.export.export_model`, or a fine-tuned
@@ -278,13 +212,16 @@ def register_export(
         family: Model family; picks the Auto class and the pipeline task.
         tracking_uri: MLflow tracking URI (also the registry), e.g. `sqlite:////abs/mlflow.db`.
         run_id: The run that produced the model.
-        registration: The registered model's name, the alias to point at the new version and
-            the version's lineage tags.
+        registration: The registered model's name, the gated alias and the version's lineage
+            tags.
         task_type: For a fine-tuned export, its downstream task type (picks the Auto class and
             the pipeline task); None for a pretrained export.
+        code_model: For a bottleneck-adapter export, the pyfunc that serves it
+            (`training.finetune.serving.adapters_code_model`); without it the version does not
+            serve through `mlflow.pyfunc`. Ignored for other layouts.
 
     Returns:
-        The new version.
+        The new version, with the gated alias when that moved to it, else `newest`.
     """
     import mlflow
 
@@ -293,20 +230,22 @@ def register_export(
     client = mlflow.MlflowClient(tracking_uri)
     run = client.get_run(run_id)
     with _tracking_uri(tracking_uri):
-        model_id = _log_flavor(client, run, hf_dir, family, task_type)
+        model_id = _log_model(client, run, hf_dir, family, task_type, code_model)
         client.log_artifacts(run_id, str(hf_dir), HF_ARTIFACT_DIR)
-        _ensure_registered_model(client, model_name)
+        _ensure_registered_model(client, model_name, alias)
+        decision, decided = _decide(client, model_name, alias, hf_dir)
         mv = client.create_model_version(
             model_name,
             source=f"models:/{model_id}",
             run_id=run_id,
-            tags={"family": family, **registration.tags},
+            tags={"family": family, **registration.tags, **decided},
+            description=describe(card_summary(hf_dir), alias, decision),
             model_id=model_id,
         )
-        client.set_registered_model_alias(model_name, alias, mv.version)
-    log.info("registered %s version %s as @%s (run %s)", model_name, mv.version, alias, run_id)
+        held = _move_aliases(client, model_name, str(mv.version), alias, decision)
+    log.info("registered %s version %s (run %s)", model_name, mv.version, run_id)
     return ModelVersionRef(
-        model_name, str(mv.version), alias, f"models:/{model_name}/{mv.version}", mv.source
+        model_name, str(mv.version), held, f"models:/{model_name}/{mv.version}", mv.source
     )
 
 
@@ -329,12 +268,14 @@ def resolve_version(tracking_uri: str, name: str, alias_or_version: str) -> Mode
     return ModelVersionRef(name, str(mv.version), alias, f"models:/{name}/{mv.version}", mv.source)
 
 
-def _flatten_flavor(mlflow_model: Path, dst: Path) -> None:
+def _flatten_flavor(mlflow_model: Path, dst: Path, read_from: Path) -> None:
     """Copy the weights, config and tokenizer of a downloaded MLflow model into one HF dir.
 
     The transformers flavor keeps the model under `<model_binary>/` (`model/`) and each
     component under `components/<name>/`, as its MLmodel file records; a peft model's adapter
-    is under `<peft_adaptor>/` and becomes an adapter export again (the base in `base_model/`).
+    is under `<peft_adaptor>/` and becomes an adapter export again (the base in `base_model/`,
+    which its `base_model_name_or_path` names absolutely as `<read_from>/base_model`: `dst` is
+    read from `read_from` once in place).
     A bottleneck-adapter export is under `model/` verbatim. The model card is split into
     `model_card.md` and `model_card_data.yaml`; they are joined back as README.md.
     """
@@ -358,7 +299,7 @@ def _flatten_flavor(mlflow_model: Path, dst: Path) -> None:
         source = safe_join(mlflow_model, str(adapter), what="MLmodel peft_adaptor")
         for name in (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE):  # safetensors only, never a .bin
             shutil.copyfile(source / name, dst / name)
-        _set_base_path(dst, BASE_MODEL_DIR)
+        set_base_path(dst, str(read_from / BASE_MODEL_DIR))
         shutil.copyfile(base / "config.json", dst / "config.json")
     text, data = mlflow_model / "model_card.md", mlflow_model / "model_card_data.yaml"
     if text.exists() and data.exists():
@@ -379,8 +320,10 @@ def download_model(tracking_uri: str, ref: ModelVersionRef, dst: Path) -> Path:
     A plain export loads offline with `AutoModelFor....from_pretrained(dst)` and
     `AutoTokenizer.from_pretrained(dst)`; an adapter export comes back in the layout it was
     written in (`base_model/` plus the adapter) and loads with
-    `training.finetune.adapters.load_finetuned(dst, task_type)`, or with peft from inside `dst`.
-    `dst` is replaced if it exists.
+    `training.finetune.adapters.load_finetuned(dst, task_type)` or, from any working directory,
+    with `AutoPeftModelFor<Task>.from_pretrained(dst)`: a peft adapter's
+    `base_model_name_or_path` is the absolute path of `dst/base_model` (moving `dst` leaves it
+    stale; `load_finetuned` does not read it). `dst` is replaced if it exists.
 
     Returns:
         `dst`.
@@ -400,7 +343,7 @@ def download_model(tracking_uri: str, ref: ModelVersionRef, dst: Path) -> Path:
                 artifact_uri=ref.model_uri, dst_path=tmp, tracking_uri=tracking_uri
             )
         staged = Path(tmp) / "hf"
-        _flatten_flavor(Path(local), staged)
+        _flatten_flavor(Path(local), staged, dst.resolve())
         for home in (staged, staged / BASE_MODEL_DIR):
             if home.is_dir():
                 assert_safetensors_only(home)

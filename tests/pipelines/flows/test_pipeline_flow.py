@@ -3,7 +3,8 @@
 Real Prefect (the session API), Ray and MLflow on the workspace's own SQLite store, on the demo
 recipe shortened to a few pretraining steps (one worker, in this process) and one fine-tuning
 epoch. Last, the finished workspace and its inputs are copied elsewhere and the originals moved
-away: the copy reuses every stage and loads its registered models from its own store.
+away: the copy reuses every stage and loads its registered models from its own store, each
+version through MLflow's pyfunc, answering with its task.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ CACHED_TASKS = (
 # What a run in a copied workspace may rewrite: the MLflow store (re-rooted, then the runs that
 # record the cache hits), the workspace's roots and the stat cache of its (copied) inputs.
 BOOKKEEPING = ("mlflow.db", "workspace.json", ".cache/input-hashes.json")
+ALIASES = ("newest", "candidate")  # `newest` always moves; `candidate` when no worse
 
 
 def mtimes(workspace: Path, dirs: tuple[str, ...] = OUTPUT_DIRS) -> dict[str, int]:
@@ -155,6 +157,10 @@ def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed
     runs = nested_runs(client, parent)
     assert set(runs) == set(first)
     assert all(run.data.tags["lmpipe.reused"] == "true" for run in runs.values())
+    # Every run has params (#40): the evaluation's, and each cache hit's record (its section).
+    for stages in (first, second):
+        ids = {name: s["mlflow_run_id"] for name, s in stages.items()}
+        assert [n for n, i in ids.items() if not client.get_run(i).data.params] == []
     assert client.get_run(parent).info.status == "FINISHED"
     assert client.get_run(parent).data.metrics["stages_reused"] == len(first)
     # One Markdown artifact per stage, with a pointer to its MLflow run.
@@ -218,6 +224,43 @@ def test_pipeline_runs_every_stage_once_then_caches_and_reruns_only_what_changed
         uri = f"models:/{fourth[stage]['model_name']}/{fourth[stage]['model_version']}"
         model = mlflow.transformers.load_model(uri, return_type="components")["model"]
         assert model.config.model_type == "bert", stage
+    served_answers_and_aliases(MlflowClient(local_store_uri(moved / "ws")), first, third, fourth)
+
+
+def served_answers_and_aliases(
+    client: MlflowClient, first: dict[str, Any], third: dict[str, Any], fourth: dict[str, Any]
+) -> None:
+    """Every registered version serves through MLflow's pyfunc and answers with its task.
+
+    The pretrained model fills a mask with a token of its vocabulary; each fine-tuned version
+    (the first fine-tune and the one at another learning rate) answers a label of the task.
+    `newest` is the last fine-tune; `candidate` the better of the two on the same test data.
+    """
+    import mlflow
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(fourth["pretrain"]["export_dir"]).get_vocab()
+    labels = set(fourth["finetune"]["labels"])
+    name = {stage: fourth[stage]["model_name"] for stage in ("pretrain", "finetune")}
+    versions = {
+        stage: sorted(str(v.version) for v in client.search_model_versions(f"name = '{model}'"))
+        for stage, model in name.items()
+    }
+    assert versions == {"pretrain": ["1"], "finetune": ["1", "2"]}
+    for stage, numbers in versions.items():
+        for number in numbers:
+            served = mlflow.pyfunc.load_model(f"models:/{name[stage]}/{number}")
+            if stage == "pretrain":
+                assert served.predict(["[MASK] lives in Oslo."])[0] in vocab
+            else:
+                assert set(served.predict(["Where does Tavor live?"])["label"]) <= labels
+            assert client.get_model_version(name[stage], number).description
+    metric = "f1_macro"  # the classification task's primary metric
+    better = third["finetune"]["test"][metric] >= first["finetune"]["test"][metric]
+    held = {a: str(client.get_model_version_by_alias(name["finetune"], a).version) for a in ALIASES}
+    assert held == {"newest": "2", "candidate": "2" if better else "1"}
+    decision = client.get_model_version(name["finetune"], "2").tags["candidate_decision"]
+    assert decision == ("moved" if better else "kept")
 
 
 def test_pipeline_flow_parameters_are_a_typed_form_that_validates() -> None:

@@ -1,10 +1,13 @@
 """The Prefect and MLflow UIs in headless Chromium: a deployment, its run, a registered model.
 
-The browser acceptance test. It starts its own Prefect and MLflow servers (`lmpipe up`'s
-`start_servers`) on free loopback ports, serves the ingest deployment with a nightly schedule
-from an `lmpipe serve` subprocess, triggers a run through the API, registers a tiny model with
-an alias, and then reads the pages a user would open. Every page is saved as a screenshot under
-`test-artifacts/browser/` (plus its text when a check fails).
+The browser acceptance test. A command runs first with nothing configured, as after
+`make demo` (`lmpipe ingest`: its flow run goes to the workspace's own Prefect home, through a
+temporary API), and a tiny model with an alias is registered in the workspace's own
+`mlflow.db`. Then the test starts `lmpipe up`'s servers of that workspace (`start_servers`) on
+free loopback ports, serves the ingest deployment with a nightly schedule from an
+`lmpipe serve` subprocess, triggers a run through the API, and reads the pages a user would
+open: the earlier command's flow run and registered model are there. Every page is saved as
+a screenshot under `test-artifacts/browser/` (plus its text when a check fails).
 
 Needs Debian's `chromium` and `chromium-driver` and the `selenium` package: the test skips
 without them, except under CI (`CI=true`), where it fails instead.
@@ -24,6 +27,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,16 +117,66 @@ def _free_ports(count: int) -> list[int]:
         return [int(sock.getsockname()[1]) for sock in socks]
 
 
+@dataclass(frozen=True)
+class LocalRun:
+    """What a command run before `lmpipe up` left in the workspace's own stores."""
+
+    flow_run: str  # the name Prefect gave its flow run
+    version: str  # the model version registered in the workspace's mlflow.db
+
+
+def _local_run(tmp_path: Path, ray_address: str, base_dir: Path) -> LocalRun:
+    """Run `lmpipe ingest` with nothing configured, and register a model in the workspace store.
+
+    The command gets no Prefect API and no tracking URI, as after `make demo`: it records its
+    flow run in `<workspace>/.prefect` through a temporary API and its MLflow run in
+    `<workspace>/mlflow.db`, which is where `lmpipe up` must then serve them from.
+    """
+    from tasks.demo.synthetic import SyntheticConfig, write_corpus
+    from training.tracking.local_store import local_store_uri
+
+    write_corpus(tmp_path / "demo", SyntheticConfig(documents=60, parts=1, task_examples=10))
+    unset = ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI")
+    env = {k: v for k, v in os.environ.items() if k not in unset} | {"RAY_AUTH_MODE": "token"}
+    overrides = [
+        f"name={RECIPE}",
+        f"workspace={tmp_path / 'ws'}",
+        f"ingest.sources.0.path={tmp_path / 'demo' / 'corpus'}",
+        f"ray.address={ray_address}",
+        "ray.num_workers=1",
+    ]
+    command = [sys.executable, "-m", "pipelines.cli.main", "ingest", str(DEMO), *overrides]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    names = re.findall(r"Beginning flow run '([^']+)'", output)
+    assert names, output[-4000:]
+    version = _register_model(base_dir, tmp_path, local_store_uri(tmp_path / "ws"))
+    return LocalRun(names[0], version)
+
+
 @pytest.fixture
-def servers(tmp_path: Path) -> Iterator[dict[str, ServerState]]:
-    """This test's own Prefect and MLflow servers; stopped (exactly these) afterwards."""
+def servers(
+    tmp_path: Path,
+    ray_session: str,
+    tiny_base_models: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[dict[str, ServerState], LocalRun]]:
+    """A local run in a new workspace, then `lmpipe up`'s servers of that workspace.
+
+    The servers are this test's own, stopped (exactly these) afterwards.
+    """
+    local = _local_run(tmp_path, ray_session, tiny_base_models["bert"])
+    # As for the command before it, nothing names a Prefect home: `up` serves the workspace's
+    # (this session's own Prefect harness sets one in the environment).
+    monkeypatch.delenv("PREFECT_HOME", raising=False)
     prefect_port, mlflow_port = _free_ports(2)
     cfg = ServersConfig(
         prefect_port=prefect_port, mlflow_port=mlflow_port, state_dir=tmp_path / "servers"
     )
     try:
         started = start_servers(cfg, tmp_path / "ws")
-        yield {name: status.state for name, status in started.items()}
+        yield {name: status.state for name, status in started.items()}, local
     finally:
         stop_servers(cfg, tmp_path / "ws")
 
@@ -205,7 +259,11 @@ def _register_model(base_dir: Path, tmp_path: Path, tracking_uri: str) -> str:
     )
     hf_dir = export_model(model, base_dir, tmp_path / "export", card)
     client = MlflowClient(tracking_uri)
-    run = client.create_run(client.create_experiment("browser-test"), run_name="browser-export")
+    # The artifacts go where lmpipe's own runs put them: the workspace's `mlartifacts/`, which
+    # `lmpipe up` serves (MLflow's default, `./mlruns`, would be the current directory).
+    artifacts = (tmp_path / "ws" / "mlartifacts").as_uri()
+    experiment = client.create_experiment("browser-test", artifact_location=artifacts)
+    run = client.create_run(experiment, run_name="browser-export")
     registration = Registration(MODEL, ALIAS, {"git_commit": "browser-test"})
     ref = register_export(hf_dir, "bert", tracking_uri, run.info.run_id, registration)
     client.set_terminated(run.info.run_id)
@@ -275,9 +333,12 @@ def _check_mlflow_pages(browser: WebDriver, mlflow: ServerState, version: str) -
 
 
 def _check_prefect_pages(
-    browser: WebDriver, prefect: ServerState, deployment: Any, run: Any
+    browser: WebDriver, prefect: ServerState, deployment: Any, run: Any, local: LocalRun
 ) -> None:
-    """The deployments list, the deployment, its flow run and the runs list, as a user sees them."""
+    """The deployments list, the deployment, its flow run and the runs list, as a user sees them.
+
+    The runs list shows the run of the command run before `lmpipe up` too.
+    """
     pages = {
         # The list words the cron; the deployment's page names the schedule and its next run.
         "prefect-deployments": (
@@ -292,7 +353,7 @@ def _check_prefect_pages(
             f"/runs/flow-run/{run.id}",
             [run.name, "Completed", RECIPE, "Finished in state Completed()"],
         ),
-        "prefect-runs": ("/runs", [run.name, "Completed", RECIPE]),
+        "prefect-runs": ("/runs", [run.name, local.flow_run, "Completed", RECIPE]),
     }
     for page, (path, expected) in pages.items():
         text = _check_page(browser, page, f"{prefect.url}{path}", expected)
@@ -304,27 +365,23 @@ def _check_prefect_pages(
 def test_prefect_and_mlflow_uis_show_the_deployment_its_run_and_the_registered_model(
     chromium: Path,
     ray_session: str,
-    tiny_base_models: dict[str, Path],
     browser: WebDriver,
-    servers: dict[str, ServerState],
+    servers: tuple[dict[str, ServerState], LocalRun],
     tmp_path: Path,
 ) -> None:
     from prefect.client.schemas.objects import FlowRun
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.demo.synthetic import SyntheticConfig, write_corpus
-
     shutil.rmtree(ARTIFACTS, ignore_errors=True)  # only this run's pages
     ARTIFACTS.mkdir(parents=True)
-    prefect, mlflow = servers["prefect"], servers["mlflow"]
+    (prefect, mlflow), local = (servers[0]["prefect"], servers[0]["mlflow"]), servers[1]
     # On a port other than the default 4200 the UI must still call its own server.
     assert _ui_api_url(prefect) == prefect.api_url, (
         f"the Prefect UI at {prefect.url} calls {_ui_api_url(prefect)}, not its own server's "
         f"API {prefect.api_url}: pipelines/ops/servers.py must give the server its port "
         "(PREFECT_SERVER_API_PORT/HOST) or PREFECT_UI_API_URL"
     )
-    write_corpus(tmp_path / "demo", SyntheticConfig(documents=60, parts=1, task_examples=10))
     schedule = {"flow": "ingest", "name": "nightly-ingest", "cron": CRON}
     overrides = [
         f"name={RECIPE}",
@@ -338,16 +395,15 @@ def test_prefect_and_mlflow_uis_show_the_deployment_its_run_and_the_registered_m
     ]
     process = _serve(tmp_path, overrides, prefect.api_url)
     try:
-        # Registering while `lmpipe serve` starts up overlaps the two slowest waits.
-        version = _register_model(tiny_base_models["bert"], tmp_path, mlflow.api_url)
+        # The model the local run registered, served from the workspace's own store.
+        _check_mlflow_pages(browser, mlflow, local.version)  # while `lmpipe serve` starts
         with temporary_settings(updates={PREFECT_API_URL: prefect.api_url}):
             deployment = wait_for_deployment(f"ingest/{RECIPE}", process, tmp_path / "serve.log")
             triggered = run_deployment(f"ingest/{RECIPE}", timeout=0)  # 0: return at once
             assert isinstance(triggered, FlowRun)  # the sync variant, outside an event loop
-            _check_mlflow_pages(browser, mlflow, version)  # while the flow runs
             run = _wait_for_finished_run(triggered.id, tmp_path)
         assert run.state.is_completed(), f"{run.state}:\n{_serve_log(tmp_path)}"
-        _check_prefect_pages(browser, prefect, deployment, run)
+        _check_prefect_pages(browser, prefect, deployment, run, local)
     finally:
         stop_group(process)
     assert sorted(p.name for p in ARTIFACTS.iterdir()) == sorted(

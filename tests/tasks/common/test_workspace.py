@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -83,3 +84,65 @@ def test_the_workspace_file_holds_the_id_and_roots(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "ws" / WORKSPACE_FILE).read_text())
     assert data == {"id": info.id, "roots": [str(tmp_path / "ws")]}
     assert not [p.name for p in (tmp_path / "ws").iterdir() if p.name != WORKSPACE_FILE]
+
+
+def adapter_export(workspace: Path, base: str) -> Path:
+    """A finished fine-tuning run whose export's adapter names `base`, listed in its manifest."""
+    run = workspace / "finetune" / "k1"
+    config = run / "export" / "adapter_config.json"
+    config.parent.mkdir(parents=True)
+    config.write_text(json.dumps({"base_model_name_or_path": base, "r": 8}, indent=2))
+    entry = {"name": "export/adapter_config.json", "bytes": config.stat().st_size, "sha256": "x"}
+    (run / "manifest.json").write_text(json.dumps({"files": [entry], "fingerprint": "k1"}))
+    return config
+
+
+def test_opening_a_copy_rewrites_the_base_path_of_its_adapter_exports(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    open_workspace(a)
+    adapter_export(a, str(a / "finetune" / "k1" / "export" / "base_model"))
+    shutil.copytree(a, b)
+
+    open_workspace(b)
+
+    config = b / "finetune" / "k1" / "export" / "adapter_config.json"
+    record = json.loads(config.read_text())
+    assert record == {"base_model_name_or_path": str(config.parent / "base_model"), "r": 8}
+    (entry,) = json.loads((b / "finetune" / "k1" / "manifest.json").read_text())["files"]
+    assert entry["bytes"] == config.stat().st_size  # the run stays complete (`files_complete`)
+    assert entry["sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()
+    original = a / "finetune" / "k1" / "export" / "adapter_config.json"
+    assert json.loads(original.read_text())["base_model_name_or_path"].startswith(str(a))
+    before = config.stat().st_mtime_ns
+    open_workspace(b)  # nothing under an old root any more: nothing rewritten
+    assert config.stat().st_mtime_ns == before
+
+
+def test_a_workspace_moved_back_rewrites_what_was_written_elsewhere(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    open_workspace(a)
+    shutil.move(a, b)
+    open_workspace(b)
+    config = adapter_export(b, str(b / "finetune" / "k1" / "export" / "base_model"))
+    shutil.move(b, a)  # `a` is among the roots already: no new root, still a move
+
+    open_workspace(a)
+
+    moved = a / "finetune" / "k1" / "export" / "adapter_config.json"
+    assert json.loads(moved.read_text())["base_model_name_or_path"] == str(
+        moved.parent / "base_model"
+    )
+    assert not config.exists()
+
+
+def test_the_rewrite_leaves_relative_and_outside_paths_alone(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    open_workspace(a)
+    for base in ("base_model", str(tmp_path / "models" / "bert")):
+        shutil.rmtree(b, ignore_errors=True)
+        config = adapter_export(a, base)
+        shutil.copytree(a, b)
+        open_workspace(b)
+        copied = b / config.relative_to(a)
+        assert copied.read_bytes() == config.read_bytes()
+        shutil.rmtree(a / "finetune")

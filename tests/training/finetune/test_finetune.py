@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,7 +20,8 @@ from tasks.common.ray_runtime import RayConfig
 from tasks.downstream.config import load_dataset_config
 from tasks.downstream.stage import prepare_downstream
 from training.finetune.config import FinetuneConfig
-from training.finetune.loop import FinetuneJob, run_finetune_worker
+from training.finetune.evaluation import Evaluator
+from training.finetune.loop import FinetuneJob, epoch_metrics, run_finetune_worker
 from training.finetune.stage import finetune_stage, model_fingerprint, run_finetune
 from training.runtime.run_context import RunContext
 from training.runtime.worker_context import LocalContext
@@ -190,12 +192,19 @@ def test_finetune_stage_logs_to_mlflow_and_registers_with_lineage(
     client = MlflowClient(mlflow_uri)
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
-    assert "test_mcc" in run.data.metrics
-    assert "f1_macro" in run.data.metrics
+    # The names carry the split: train_loss and val_<metric> per epoch, at the optimizer step
+    # it ended on (the MLflow step, not a metric), then test_<metric>.
+    metrics = set(run.data.metrics)
+    assert {"train_loss", "val_loss", "val_f1_macro", "test_loss", "test_mcc"} <= metrics
+    assert not {"loss", "f1_macro", "step", "epoch"} & metrics
+    history = (Path(summary["run_dir"]) / "history.jsonl").read_text().splitlines()
+    logged = client.get_metric_history(run.info.run_id, "val_f1_macro")
+    assert [m.step for m in logged] == [json.loads(row)["step"] for row in history]
+    assert run.data.params["finetune.epochs"] == "2"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "report")}
     assert {"report/report.md", "report/report.html", "report/curves.png"} <= artifacts
     assert "report/confusion_matrix.png" in artifacts
-    version = resolve_version(mlflow_uri, "cola-tiny", "candidate")
+    version = resolve_version(mlflow_uri, "cola-tiny", "newest")
     registered = client.get_model_version("cola-tiny", version.version)
     tags = registered.tags
     assert tags["base_model_name"] == "tiny-bert"
@@ -210,6 +219,20 @@ def test_finetune_stage_logs_to_mlflow_and_registers_with_lineage(
     )
     assert json.loads(inputs["base_model"].source) == {"uri": str(tiny_base_models["bert"])}
     assert inputs["base_model"].digest == model_fingerprint(tiny_base_models["bert"])
+
+
+def test_an_epochs_mlflow_metrics_carry_their_split_and_no_step() -> None:
+    row = {"epoch": 1, "step": 8, "train_loss": 0.5, "loss": 0.7, "accuracy": 0.75}
+    assert epoch_metrics(row) == {"train_loss": 0.5, "val_loss": 0.7, "val_accuracy": 0.75}
+
+
+def test_early_stopping_takes_a_validation_metric_bare_or_by_its_mlflow_name() -> None:
+    data = SimpleNamespace(task_type="classification")
+    evaluator = Evaluator(data, finetune_cfg(), rank=0, world=1)
+    assert evaluator.watched_metric("val_accuracy") == ("accuracy", True)
+    assert evaluator.watched_metric("accuracy") == ("accuracy", True)
+    assert evaluator.watched_metric("val_loss") == ("loss", False)
+    assert evaluator.watched_metric(None) == ("f1_macro", True)  # the primary
 
 
 def test_features_longer_than_the_models_positions_are_refused_by_key(

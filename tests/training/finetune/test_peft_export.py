@@ -2,8 +2,9 @@
 
 Tiny random models (2 layers, width 32), trained 2 steps the way fine-tuning applies each
 strategy, exported by `write_outputs` / `StrategyPlan.save_export`, and loaded back offline with
-peft's Auto classes, with `load_finetuned`, and through the MLflow registry (SQLite store):
-each must give the trained model's logits. No Ray run.
+peft's Auto classes (from another working directory, and from a copied workspace), with
+`load_finetuned`, and through the MLflow registry (SQLite store): each must give the trained
+model's logits. No Ray run.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ FAMILIES: dict[str, tuple[str, Any, str]] = {
     "t5": ("seq2seq", tf.AutoModelForSeq2SeqLM, "AutoPeftModelForSeq2SeqLM"),
 }
 STRATEGIES = {
-    "lora": {"name": "lora", "export": "adapter", "lora": {"dropout": 0.0}},
+    "lora": {"name": "lora", "lora": {"dropout": 0.0}},  # a peft adapter by default
     "prompt_tuning": {"name": "prompt_tuning", "prompt": {"num_virtual_tokens": 3}},
 }
 
@@ -143,8 +144,12 @@ def auto_peft(family: str) -> Any:
     return getattr(peft, FAMILIES[family][2])
 
 
+def adapter_config(export: Path) -> Any:
+    return json.loads((export / "adapter_config.json").read_text())
+
+
 def base_path(export: Path) -> Any:
-    return json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return adapter_config(export)["base_model_name_or_path"]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -162,26 +167,27 @@ def test_adapter_export_loads_with_auto_peft_to_the_trained_logits(
     assert {"adapter_config.json", "adapter_model.safetensors", "config.json"} <= files
     assert {"base_model/config.json", "base_model/model.safetensors"} <= files
     assert "model.safetensors" not in files  # nothing at the top a plain load could take
-    assert base_path(export) == "base_model"  # relative: the directory can move
-    monkeypatch.chdir(export)  # peft resolves the relative base against the working directory
-    loaded = auto_peft(family).from_pretrained(".", local_files_only=True)
-    assert torch.equal(logits(loaded, family), expected)
+    assert base_path(export) == str(export / "base_model")  # absolute: loads from anywhere
+    modules = adapter_config(export)["modules_to_save"] or []
+    assert len(modules) == len(set(modules))
     monkeypatch.chdir(tmp_path)
+    loaded = auto_peft(family).from_pretrained(str(export), local_files_only=True)
+    assert torch.equal(logits(loaded, family), expected)
     assert torch.equal(logits(load_finetuned(export, task_type), family), expected)
     with pytest.raises(OSError, match=r"no file named model\.safetensors"):
         auto.from_pretrained(export, local_files_only=True)
 
 
-def test_the_export_setting_defaults_to_merged_where_the_strategy_can_merge() -> None:
+def test_the_export_setting_defaults_to_an_adapter_where_the_strategy_trains_one() -> None:
     formats = {n: StrategyConfig(name=n).export_format() for n in ("full", "lora")}
     formats |= {n: StrategyConfig(name=n).export_format() for n in ("prompt_tuning", "adapters")}
     assert formats == {
         "full": "merged",
-        "lora": "merged",
+        "lora": "adapter",
         "prompt_tuning": "adapter",
         "adapters": "adapter",
     }
-    assert StrategyConfig(name="lora", export="adapter").export_format() == "adapter"
+    assert StrategyConfig(name="lora", export="merged").export_format() == "merged"
     cfg = StrategyConfig(name="prompt_tuning", export="adapter")
     assert StrategyConfig.model_validate(cfg.model_dump(mode="json")) == cfg
     with pytest.raises(ValidationError, match="prompt_tuning cannot be merged"):
@@ -193,7 +199,7 @@ def test_the_export_setting_defaults_to_merged_where_the_strategy_can_merge() ->
 
 
 def test_a_merged_lora_export_loads_with_plain_from_pretrained(tmp_path: Path) -> None:
-    export, expected = export_run("bert", {"name": "lora"}, tmp_path / "run")
+    export, expected = export_run("bert", {"name": "lora", "export": "merged"}, tmp_path / "run")
 
     reloaded = tf.AutoModelForSequenceClassification.from_pretrained(export)
 
@@ -211,6 +217,32 @@ def test_bottleneck_export_refuses_a_plain_from_pretrained(tmp_path: Path) -> No
         load_export(export, "bert", "classification")
     assert "load_finetuned" in (export / "README.md").read_text()
     assert torch.equal(logits(load_finetuned(export, "classification"), "bert"), expected)
+
+
+def test_a_lora_export_in_a_copied_workspace_loads_with_auto_peft_from_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tasks.common.workspace import open_workspace
+    from training.runtime.driver import RunIdentity
+
+    original, copy, elsewhere = tmp_path / "ws", tmp_path / "copy", tmp_path / "elsewhere"
+    open_workspace(original)
+    identity = RunIdentity("finetune", {"data": "d"}, {"strategy": "lora"}, 0, {})
+    run = identity.place(original / "finetune", original)
+    _, expected = export_run("bert", STRATEGIES["lora"], run.path)  # the default: an adapter
+    run.commit({"export_dir": str(run.export_dir)})
+    shutil.copytree(original, copy)
+    shutil.rmtree(original)  # nothing may be read from where it was
+
+    open_workspace(copy)  # what every lmpipe command does first
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+
+    export = copy / "finetune" / run.key / "export"
+    assert base_path(export) == str(export / "base_model")
+    loaded = auto_peft("bert").from_pretrained(str(export), local_files_only=True)
+    assert torch.equal(logits(loaded, "bert"), expected)
+    assert identity.place(copy / "finetune", copy).reuse() is not None  # still a finished run
 
 
 # --- MLflow registry ----------------------------------------------------------------------
@@ -263,12 +295,13 @@ def test_registered_adapter_export_loads_the_adapted_model_from_anywhere(
     assert torch.equal(logits(components["model"], family), expected)
 
     local = download_model(uri, ref, tmp_path / "dl")
-    moved = shutil.move(local, tmp_path / "moved")  # relative paths only: it still loads
-    assert base_path(Path(moved)) == "base_model"
-    assert torch.equal(logits(load_finetuned(Path(moved), task_type), family), expected)
-    monkeypatch.chdir(moved)
-    loaded = auto_peft(family).from_pretrained(".", local_files_only=True)
+    assert base_path(local) == str((tmp_path / "dl" / "base_model").resolve())  # absolute
+    modules = adapter_config(local)["modules_to_save"] or []
+    assert len(modules) == len(set(modules))  # peft's load appended the head again: deduplicated
+    loaded = auto_peft(family).from_pretrained(str(local), local_files_only=True)
     assert torch.equal(logits(loaded, family), expected)
+    moved = Path(shutil.move(local, tmp_path / "moved"))  # the base path is stale now
+    assert torch.equal(logits(load_finetuned(moved, task_type), family), expected)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -29,6 +30,8 @@ from training.models.export import (
     export_model,
     gather_state_dict,
     load_external_weights,
+    load_serving_model,
+    quiet_load_report,
     read_card,
     reload_check,
 )
@@ -278,6 +281,31 @@ def test_bert_export_answers_fill_mask_like_the_trained_model(
     assert [a["token"] for a in answers] == logits.topk(5).indices.tolist()
 
 
+def test_serving_load_of_a_bert_export_prints_no_load_report(
+    exports: Exports, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, hf_dir, _ = exports["bert"]
+    level = logging.getLogger("transformers.modeling_utils").level
+    reports = logging.getLogger("transformers")  # it does not propagate to the root logger
+    reports.addHandler(caplog.handler)
+    try:
+        tf.BertForMaskedLM.from_pretrained(hf_dir)  # reports the pooler and sentence-pair head
+        plain = [r for r in caplog.records if "LOAD REPORT" in r.getMessage()]
+        caplog.clear()
+        served = load_serving_model(hf_dir, "bert")
+        with quiet_load_report():
+            tf.BertForMaskedLM.from_pretrained(hf_dir)
+        quiet = [r for r in caplog.records if "LOAD REPORT" in r.getMessage()]
+    finally:
+        reports.removeHandler(caplog.handler)
+
+    assert len(plain) == 1
+    assert "cls.seq_relationship.weight" in plain[0].getMessage()
+    assert type(served).__name__ == "BertForMaskedLM"
+    assert quiet == []
+    assert logging.getLogger("transformers.modeling_utils").level == level  # restored
+
+
 @pytest.mark.parametrize(
     "sampling",
     [{}, {"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.9}],
@@ -431,8 +459,17 @@ def test_registered_bert_resolves_by_alias_and_reloads_offline(
     found = resolve_version(uri, "tiny-bert", "candidate")
     assert found == ref
     assert resolve_version(uri, "tiny-bert", ref.version).model_uri == ref.model_uri
-    tags = client.get_model_version("tiny-bert", ref.version).tags
-    assert tags == {**LINEAGE, "family": "bert"}
+    version = client.get_model_version("tiny-bert", ref.version)
+    assert version.tags == {
+        **LINEAGE,
+        "family": "bert",
+        "selection_metric": "eval_loss",
+        "selection_goal": "min",
+        "data_fingerprint": "ex-1234",
+        "candidate_decision": "moved",
+        "candidate_reason": "no version held the alias",
+    }  # the card's metrics are named eval/loss: no eval_loss to compare on
+    assert "bert model pretrained with lmpipe" in version.description  # the card's summary
     logged = client.get_logged_model(ref.source.removeprefix("models:/"))
     assert logged.artifact_location.startswith(artifacts)  # not ./mlruns of the cwd
     assert "hf_model/README.md" in [f.path for f in client.list_artifacts(run_id, "hf_model")]
@@ -477,7 +514,7 @@ def test_registered_gpt2_keeps_a_finished_run_finished_and_moves_the_alias(
 
     assert client.get_run(run_id).info.status == "FINISHED"
     assert (first.version, second.version) == ("1", "2")
-    assert resolve_version(uri, "tiny-gpt2", "candidate").version == "2"
+    assert resolve_version(uri, "tiny-gpt2", "newest").version == "2"
     local = download_model(uri, resolve_version(uri, "tiny-gpt2", "1"), tmp_path / "dl")
     tok = tf.AutoTokenizer.from_pretrained(local, local_files_only=True)
     ids = tok(sentences(1, seed=5)[0], return_tensors="pt")["input_ids"]

@@ -128,7 +128,7 @@ def test_tiny_model_learns_more_than_word_frequencies(
     assert "train_loss" in mlflow_run.data.metrics
     assert "eval_loss" in mlflow_run.data.metrics
     assert any(a.path == "plots" for a in client.list_artifacts(summary["mlflow_run_id"]))
-    version = resolve_version(mlflow_uri, summary["model_name"], "candidate")
+    version = resolve_version(mlflow_uri, summary["model_name"], "newest")
     assert version.version == summary["model_version"]
     card = read_card(Path(summary["export_dir"]))
     assert card.steps == 40
@@ -183,7 +183,7 @@ def _in_memory_model(run: dict[str, Any]) -> torch.nn.Module:
 
 def _registered(run: dict[str, Any], mlflow_uri: str, dst: Path) -> Path:
     summary = run["summary"]
-    ref = resolve_version(mlflow_uri, summary["model_name"], "candidate")
+    ref = resolve_version(mlflow_uri, summary["model_name"], "newest")
     return download_model(mlflow_uri, ref, dst)
 
 

@@ -1,7 +1,8 @@
 """One run lifecycle (`tracked_run`) on a real MLflow SQLite store, its inputs and system metrics.
 
 Cheap on purpose: no training. The comparison and evaluation stages are driven through the
-smallest function around their run, with a fault that raises inside it.
+smallest function around their run, with a fault that raises inside it (and the evaluation once
+with a stand-in result, for its params).
 """
 
 from __future__ import annotations
@@ -146,6 +147,40 @@ def test_a_comparison_run_that_raises_ends_failed(
     run = only_run(mlflow_uri, cfg)
     assert (run.info.status, run.info.run_name) == ("FAILED", "c-compare")
     assert run.data.metrics["lora_mcc_mean"] == 0.5
+
+
+@pytest.mark.filterwarnings("ignore:Artifact creation outside:FutureWarning")  # no flow run here
+def test_an_evaluation_run_logs_its_section_and_what_it_evaluated_as_params(
+    prefect_api: str,
+    mlflow_uri: str,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from training.evaluate import stage
+    from training.evaluate.config import EvaluateConfig
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    done = {"family": "gpt2", "model_dir": str(model), "heldout": {"loss": 2.5}}
+    monkeypatch.setattr(stage, "evaluate_model", lambda *a, **k: dict(done))
+    tuned = {"run_dir": "/runs/ab12", "export_dir": "/runs/ab12/export", "test": {"mcc": 0.5}}
+    tuned |= {"model_name": "t-cola", "model_version": "3"}
+    cfg = tracking(mlflow_uri, request)
+    with disable_run_logger():
+        stage.evaluate_task.fn(
+            str(model), EvaluateConfig(), run=context(cfg, tmp_path, "e"), finetuned=tuned
+        )
+    run = only_run(mlflow_uri, cfg)
+    params = run.data.params
+    assert params["evaluate.split"] == "test"
+    assert params["evaluate.intrinsic.top_k"] == "5"
+    assert (params["model_dir"], params["family"], params["seed"]) == (str(model), "gpt2", "0")
+    assert params["finetuned_model"] == "t-cola/3"
+    assert params["finetuned_export"] == "/runs/ab12/export"
+    assert "examples" not in params  # nothing of what it did not read
+    assert run.data.metrics == {"heldout_loss": 2.5, "finetuned_test_mcc": 0.5}
 
 
 def test_an_evaluation_run_that_raises_ends_failed(
