@@ -26,13 +26,12 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from pipeline_rerun import isolated_env  # bench/, the script's folder, is on sys.path
+from harness import time_lmpipe  # bench/, the script's folder, is on sys.path
+from pipeline_rerun import isolated_env
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("ingest", "tokenizer", "encode", "examples")
@@ -61,26 +60,9 @@ def recipe(work: Path) -> Path:
     return path
 
 
-def lmpipe(root: Path, args: list[str], env: dict[str, str]) -> tuple[float, str]:
-    """Run one `lmpipe` command from checkout `root`; its wall time and output."""
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli.main", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"lmpipe {' '.join(args)} failed ({done.returncode}):\n{done.stderr}")
-    return wall, done.stdout + done.stderr
-
-
 def timed(root: Path, cfg: Path, env: dict[str, str], runs: int) -> list[float]:
-    lmpipe(root, ["examples", str(cfg)], env)  # warm-up: file cache, byte-compiled modules
-    return [lmpipe(root, ["examples", str(cfg)], env)[0] for _ in range(runs)]
+    time_lmpipe(root, ["examples", str(cfg)], env)  # warm-up: file cache, byte-compiled modules
+    return [time_lmpipe(root, ["examples", str(cfg)], env)[0] for _ in range(runs)]
 
 
 def stage_states(api_url: str) -> dict[str, str]:
@@ -113,15 +95,15 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     cfg = recipe(work)
     env = isolated_env(work)
-    build_s, _ = lmpipe(args.root, ["examples", str(cfg)], env)
+    build_s, _ = time_lmpipe(args.root, ["examples", str(cfg)], env)
     temporary = timed(args.root, cfg, env, args.runs)
-    _, said = lmpipe(args.root, ["up", str(cfg)], env)
+    _, said = time_lmpipe(args.root, ["up", str(cfg)], env)
     urls = dict(re.findall(r"export (PREFECT_API_URL|MLFLOW_TRACKING_URI)=(\S+)", said))
     try:
         up = timed(args.root, cfg, env | urls, args.runs)
         states = stage_states(urls["PREFECT_API_URL"])
     finally:
-        lmpipe(args.root, ["down", str(cfg)], env)
+        time_lmpipe(args.root, ["down", str(cfg)], env)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     result: dict[str, Any] = {
         "root": str(args.root),

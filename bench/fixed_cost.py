@@ -31,9 +31,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from harness import time_lmpipe  # bench/, the script's folder, is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("ingest", "tokenizer", "encode", "examples")
@@ -81,20 +82,7 @@ def environment(work: Path, workspace: Path, before: bool) -> dict[str, str]:
 
 def run_examples(root: Path, recipe: Path, workspace: Path, env: dict[str, str]) -> float:
     """One `lmpipe examples` from checkout `root` in a new process; its wall time (s)."""
-    where = [f"workspace={workspace}"]
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli.main", "examples", str(recipe), *where],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"lmpipe examples failed in {root}:\n{done.stderr[-4000:]}")
-    return wall
+    return time_lmpipe(root, ["examples", str(recipe), f"workspace={workspace}"], env)[0]
 
 
 def stage_seconds(workspace: Path) -> float:

@@ -106,6 +106,27 @@ def launch_child(
     return result
 
 
+def time_lmpipe(root: Path, args: list[str], env: dict[str, str]) -> tuple[float, str]:
+    """Run one `lmpipe` command from checkout `root` in a new process; its wall time and output.
+
+    Raises:
+        SystemExit: the command failed (its exit code and stderr).
+    """
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli.main", *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"lmpipe {' '.join(args)} failed ({done.returncode}):\n{done.stderr}")
+    return wall, done.stdout + done.stderr
+
+
 # -- one measurement per subprocess: `script --phase NAME` ------------------------------------
 
 
