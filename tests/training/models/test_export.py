@@ -281,23 +281,26 @@ def test_bert_export_answers_fill_mask_like_the_trained_model(
     assert [a["token"] for a in answers] == logits.topk(5).indices.tolist()
 
 
-def test_serving_load_of_a_bert_export_prints_no_load_report(
-    exports: Exports, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_serving_load_of_a_bert_export_prints_no_load_report(exports: Exports) -> None:
     _, hf_dir, _ = exports["bert"]
-    level = logging.getLogger("transformers.modeling_utils").level
-    reports = logging.getLogger("transformers")  # it does not propagate to the root logger
-    reports.addHandler(caplog.handler)
+    reports = logging.getLogger("transformers.modeling_utils")
+    level = reports.level
+    # A handler on the reporting logger itself sees each record once, whether or not
+    # something earlier in the session made transformers' loggers propagate to the root.
+    seen: list[logging.LogRecord] = []
+    catcher = logging.Handler()
+    catcher.emit = seen.append  # type: ignore[method-assign]
+    reports.addHandler(catcher)
     try:
         tf.BertForMaskedLM.from_pretrained(hf_dir)  # reports the pooler and sentence-pair head
-        plain = [r for r in caplog.records if "LOAD REPORT" in r.getMessage()]
-        caplog.clear()
+        plain = [r for r in seen if "LOAD REPORT" in r.getMessage()]
+        seen.clear()
         served = load_serving_model(hf_dir, "bert")
         with quiet_load_report():
             tf.BertForMaskedLM.from_pretrained(hf_dir)
-        quiet = [r for r in caplog.records if "LOAD REPORT" in r.getMessage()]
+        quiet = [r for r in seen if "LOAD REPORT" in r.getMessage()]
     finally:
-        reports.removeHandler(caplog.handler)
+        reports.removeHandler(catcher)
 
     assert len(plain) == 1
     assert "cls.seq_relationship.weight" in plain[0].getMessage()
