@@ -1,24 +1,30 @@
 """A command's own overhead: wall time of `lmpipe examples` minus its stages' own time.
 
-Usage: python bench/fixed_cost.py --before DIR [--root DIR] [--work DIR] [--mib 9]
-                                  [--rounds 2] [--reruns 3] [--json OUT]
+Usage: python bench/fixed_cost.py [--root DIR] [--work DIR] [--mib 9] [--rounds 2]
+                                  [--reruns 3] [--json OUT]
 
 Issue 38's target: on a corpus of about 10 MB, a cold command's overhead (imports, the Prefect
-API, MLflow's store, Ray) at most 2 s, an all-cached rerun's at most 1 s. Each arm is a
-checkout run as `python -m pipelines.cli.main` (what the `lmpipe` entry point runs) in a new
-process: --before (e.g. a `git archive HEAD` copy with the compiled
-`tasks/ingest/_textscan*.so` copied in) and --root (default: this checkout), interleaved
-round by round on the same interpreter and packages. Per round and arm:
+API, MLflow's store, Ray) at most 2 s, an all-cached rerun's at most 1 s. Two arms of the same
+checkout (--root, default this one), each command a new process, interleaved round by round
+(the order alternates):
 
-- cold: a new workspace and a new Prefect home (`<workspace>/.prefect`: set explicitly for the
-  before arm, whose default was ~/.prefect; the after arm's own default) through ingest,
+- `in-process`: `LMPIPE_DAEMON=0`, the command imports Prefect, MLflow and its flows itself
+  and starts its own temporary Prefect API (what every command did before the daemon);
+- `daemon`: `python -m pipelines.daemon.client`, what the `lmpipe` entry point runs: the
+  command runs in a fork of the warm daemon, which serves each workspace's temporary API.
+
+Per round and arm:
+
+- cold: a new workspace (and so a new Prefect home, `<workspace>/.prefect`) through ingest,
   tokenizer, encode and BERT examples. Overhead = wall minus the sum of the four stages' own
   `elapsed_s` (their manifests). Ray's start happens inside the ingest stage, so it counts as
   the stage's time in both arms; `ray_start_s` times a bare `ray.init()` beside it.
 - rerun: --reruns all-cached reruns of the same command; no stage runs, so overhead = wall.
 
-Both arms share the per-user cache (`LMPIPE_CACHE_DIR`, under --work): one untimed cold run
-per arm first fills the file cache and lets the after arm make its store templates once.
+Both arms share the per-user cache (`LMPIPE_CACHE_DIR`, under --work). One untimed cold run
+per arm comes first: it fills the file cache, makes the store templates once, and starts the
+daemon; its figures are reported as `first` (for the daemon arm: the first command after a
+daemon start, which waits for the daemon's imports). The daemon is stopped at the end.
 docs/benchmarks.md, "A command's fixed cost", has the figures.
 """
 
@@ -63,26 +69,29 @@ def write_recipe(work: Path, mib: int) -> Path:
     return path
 
 
-def environment(work: Path, workspace: Path, before: bool) -> dict[str, str]:
-    """An isolated environment: no outside services, the workspace's own Prefect home."""
+#: arm -> (the module run, LMPIPE_DAEMON)
+ARMS = {"in-process": ("pipelines.cli.main", "0"), "daemon": ("pipelines.daemon.client", "1")}
+
+
+def environment(work: Path, arm: str) -> dict[str, str]:
+    """An isolated environment: no outside services, each workspace's own Prefect home."""
     env = os.environ | {
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "RAY_AUTH_MODE": "token",
         "RAY_USAGE_STATS_ENABLED": "0",
         "HF_HUB_OFFLINE": "1",
         "LMPIPE_CACHE_DIR": str(work / "cache"),
+        "LMPIPE_DAEMON": ARMS[arm][1],
     }
     for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "RAY_ADDRESS", "PREFECT_HOME"):
         env.pop(key, None)
-    if before:  # its default was ~/.prefect, shared by every workspace
-        env["PREFECT_HOME"] = str(workspace / ".prefect")
-        (workspace / ".prefect").mkdir(parents=True)  # Prefect makes only the last level
     return env
 
 
-def run_examples(root: Path, recipe: Path, workspace: Path, env: dict[str, str]) -> float:
+def run_examples(root: Path, recipe: Path, workspace: Path, arm: str, work: Path) -> float:
     """One `lmpipe examples` from checkout `root` in a new process; its wall time (s)."""
-    return time_lmpipe(root, ["examples", str(recipe), f"workspace={workspace}"], env)[0]
+    args = ["examples", str(recipe), f"workspace={workspace}"]
+    return time_lmpipe(root, args, environment(work, arm), entry=ARMS[arm][0])[0]
 
 
 def stage_seconds(workspace: Path) -> float:
@@ -106,14 +115,13 @@ def ray_start_s() -> float:
     return float(out.stdout.split()[-1])
 
 
-def one_arm(root: Path, recipe: Path, work: Path, name: str, reruns: int) -> dict[str, Any]:
+def one_arm(root: Path, recipe: Path, work: Path, arm: str, reruns: int) -> dict[str, Any]:
     """A cold command in a new workspace, then `reruns` all-cached reruns."""
-    workspace = work / f"ws-{name}"
+    workspace = work / f"ws-{arm}"
     shutil.rmtree(workspace, ignore_errors=True)
-    env = environment(work, workspace, before=name == "before")
-    wall = run_examples(root, recipe, workspace, env)
+    wall = run_examples(root, recipe, workspace, arm, work)
     stages = stage_seconds(workspace)
-    again = [run_examples(root, recipe, workspace, env) for _ in range(reruns)]
+    again = [run_examples(root, recipe, workspace, arm, work) for _ in range(reruns)]
     return {
         "cold_wall_s": round(wall, 2),
         "cold_stages_s": round(stages, 2),
@@ -125,7 +133,6 @@ def one_arm(root: Path, recipe: Path, work: Path, name: str, reruns: int) -> dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", type=Path, required=True, help="the baseline checkout")
     parser.add_argument("--root", type=Path, default=REPO, help="the checkout to time")
     parser.add_argument("--work", type=Path, default=REPO / "bench" / "results" / "fixed_cost")
     parser.add_argument("--mib", type=int, default=9, help="corpus text size (9: ~10 MB)")
@@ -136,19 +143,22 @@ def main() -> int:
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     recipe = write_recipe(work, args.mib)
-    arms = {"before": args.before.resolve(), "after": args.root.resolve()}
-    for name, root in arms.items():  # untimed: file cache, byte code, the after arm's templates
-        one_arm(root, recipe, work, name, reruns=1)
-    rounds = []
-    for i in range(args.rounds):
-        row: dict[str, Any] = {"round": i + 1, "ray_start_s": round(ray_start_s(), 2)}
-        for name, root in arms.items() if i % 2 == 0 else reversed(arms.items()):
-            row[name] = one_arm(root, recipe, work, name, args.reruns)
-        row["load"] = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-        rounds.append(row)
-        print(json.dumps(row), flush=True)
-    result = {"corpus_bytes": (work / "data" / "corpus.jsonl").stat().st_size, "rounds": rounds}
-    result["arms"] = {name: str(root) for name, root in arms.items()}
+    root = args.root.resolve()
+    try:
+        # Untimed: file cache, byte code, store templates, the daemon's start.
+        first = {arm: one_arm(root, recipe, work, arm, reruns=1) for arm in ARMS}
+        rounds = []
+        for i in range(args.rounds):
+            row: dict[str, Any] = {"round": i + 1, "ray_start_s": round(ray_start_s(), 2)}
+            for arm in list(ARMS) if i % 2 == 0 else reversed(ARMS):
+                row[arm] = one_arm(root, recipe, work, arm, args.reruns)
+            row["load"] = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+            rounds.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        time_lmpipe(root, ["daemon", "stop"], environment(work, "daemon"), ARMS["daemon"][0])
+    result = {"corpus_bytes": (work / "data" / "corpus.jsonl").stat().st_size, "first": first}
+    result |= {"rounds": rounds, "root": str(root)}
     print(json.dumps(result, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))

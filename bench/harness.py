@@ -106,15 +106,21 @@ def launch_child(
     return result
 
 
-def time_lmpipe(root: Path, args: list[str], env: dict[str, str]) -> tuple[float, str]:
+def time_lmpipe(
+    root: Path, args: list[str], env: dict[str, str], entry: str = "pipelines.cli.main"
+) -> tuple[float, str]:
     """Run one `lmpipe` command from checkout `root` in a new process; its wall time and output.
+
+    `entry` is the module run: the CLI itself (default, the command in this process), or
+    `pipelines.daemon.client`, what the `lmpipe` entry point runs (a daemon's fork, unless
+    `LMPIPE_DAEMON=0`).
 
     Raises:
         SystemExit: the command failed (its exit code and stderr).
     """
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli.main", *args],
+        [sys.executable, "-m", entry, *args],
         cwd=root,
         env=env,
         capture_output=True,

@@ -22,6 +22,8 @@ os.environ["LMPIPE_CACHE_DIR"] = str(_SESSION_TMP / "cache")  # the store templa
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "90"
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Each `lmpipe` a test runs is its own process; tests/pipelines/daemon starts its daemons.
+os.environ["LMPIPE_DAEMON"] = "0"
 os.environ["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("RAY_ADDRESS", None)

@@ -28,7 +28,7 @@ from pipelines.cli.failures import ExitCode, Terminated, report_failure, sigterm
 from pipelines.cli.keys import UnknownSectionError, describe, format_keys
 from pipelines.cli.parser import build_parser, join_nested
 from pipelines.config import RunConfig, load_config
-from pipelines.ops.runtime import patient_temporary_api
+from pipelines.ops.runtime import no_prefect_telemetry, patient_temporary_api
 
 console = Console(stderr=False)
 log = logging.getLogger(__name__)
@@ -86,18 +86,6 @@ def log_http_requests(verbose: bool) -> None:
     """
     for name in HTTP_LOGGERS:
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
-
-
-def no_prefect_telemetry() -> None:
-    """Default Prefect's usage telemetry to off (`PREFECT_SERVER_ANALYTICS_ENABLED`, if unset).
-
-    The temporary Prefect API a command starts posts a heartbeat to prefect.io; offline, each
-    run printed `ERROR | prefect.server.services.telemetry - Failed to send telemetry`. The
-    servers `lmpipe up` starts have it off already (docs/operations.md); this setting also
-    stops the client's own analytics. Must run before Prefect is imported (its settings are
-    read once, at import) and before the temporary API starts (it inherits the environment).
-    """
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 def skip_final_collections() -> None:

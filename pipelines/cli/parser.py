@@ -21,6 +21,7 @@ _OPERATIONS: tuple[str, ...] = (
     "pipelines.cli.gc",
     "pipelines.cli.submit",
     "pipelines.cli.servers",
+    "pipelines.daemon.client",
 )
 #: A subcommand of a subcommand: `lmpipe examples inspect ...` is parsed as one command.
 NESTED = {("examples", "inspect"): "examples inspect"}

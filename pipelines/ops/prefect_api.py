@@ -15,6 +15,9 @@ Prefect reads its settings once, when it is imported, so a command settles them 
   for it on its first call (`await_prefect_api`); it stops when the process exits.
 - A new Prefect home's database is a copy of a template migrated once per Prefect version
   (`seed_prefect_home`): Prefect's migrations took 6 s of a server's first start.
+- In a fork of the command daemon (`pipelines.daemon`, `use_api_host`) Prefect is imported
+  already: its settings and logging are reloaded once the home and API are settled, and the
+  daemon serves the temporary API, which then outlives the command for the next one.
 
 Not here: the servers of `lmpipe up` (`pipelines.ops.servers`), other environment variables
 (`pipelines.ops.runtime`).
@@ -34,6 +37,7 @@ import sys
 import time
 import tomllib
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -70,16 +74,25 @@ def prefect_home(workspace: Path) -> Path:
     return Path(home) if home else Path(os.path.abspath(workspace)) / PREFECT_DIR
 
 
+#: Serves a temporary Prefect API for a home (with an environment) in another process: its port.
+ApiHost = Callable[[Path, dict[str, str]], int]
+
+
 @dataclass
 class TemporaryApi:
-    """A Prefect API server this command started for itself (Prefect's temporary server)."""
+    """A temporary Prefect API server: this command's own, or one the daemon serves.
+
+    `process` is None for the daemon's (`host`): it outlives the command, and the daemon
+    starts it again if it ends.
+    """
 
     home: Path
     port: int
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | None
     started_s: float = field(default_factory=time.monotonic)
     #: Where to save the home's pristine database once healthy (a fresh home, no template).
     template: Path | None = None
+    host: ApiHost | None = None
 
     @property
     def api_url(self) -> str:
@@ -93,9 +106,15 @@ class TemporaryApi:
             ServersError: the server exited, or did not answer within `timeout_s`.
         """
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        asked_s = time.monotonic()
         while not answers(opener, f"{self.api_url}/health"):
-            code = self.process.poll()
-            if code == _PORT_IN_USE_EXIT:  # another process took the port meanwhile
+            code = None if self.process is None else self.process.poll()
+            if self.host is not None and time.monotonic() - asked_s > 1.0:
+                # The daemon starts it again if it ended (its port was taken, say).
+                self.port = self.host(self.home, server_env(self.home))
+                asked_s = time.monotonic()
+            elif self.process is not None and code == _PORT_IN_USE_EXIT:
+                # Another process took the port meanwhile.
                 self.port = _free_port()
                 self.process = _launch(self.home, self.port)
             elif code is not None:
@@ -112,8 +131,8 @@ class TemporaryApi:
             self.template = None
 
     def stop(self) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL after 5 s) and reap it."""
-        if self.process.poll() is None:
+        """Terminate this command's own server (SIGTERM, then SIGKILL after 5 s) and reap it."""
+        if self.process is not None and self.process.poll() is None:
             log.info("Stopping temporary server on http://127.0.0.1:%d", self.port)
             self.process.terminate()
             try:
@@ -125,6 +144,17 @@ class TemporaryApi:
 
 _PENDING: list[TemporaryApi] = []  # started, not yet waited for
 _STARTED: list[TemporaryApi] = []
+_HOST: list[ApiHost] = []  # set in a fork of the command daemon
+
+
+def use_api_host(host: ApiHost) -> None:
+    """Say that this process is a fork of the command daemon, which serves temporary APIs.
+
+    Prefect is imported already (its settings were read in the daemon, with the daemon's
+    environment): `open_prefect_api` settles the home and API as in a new process, then
+    reloads Prefect's settings and logging from this process's environment.
+    """
+    _HOST[:] = [host]
 
 
 def open_prefect_api(cfg: RunConfig) -> str | None:
@@ -139,8 +169,15 @@ def open_prefect_api(cfg: RunConfig) -> str | None:
         The API URL this process's flows will report to; None when Prefect decides (it was
         imported already, or a profile or the environment names the API).
     """
-    if "prefect" in sys.modules:
+    if "prefect" in sys.modules and not _HOST:
         return None
+    url = _settle_api(cfg)
+    if _HOST:
+        _reload_prefect_settings()
+    return url
+
+
+def _settle_api(cfg: RunConfig) -> str | None:
     workspace = Path(os.path.abspath(cfg.workspace))
     home = prefect_home(workspace)
     home.mkdir(parents=True, exist_ok=True)  # Prefect makes only the last level
@@ -189,9 +226,14 @@ def start_temporary_api(home: Path, templates: Path) -> TemporaryApi:
     """
     home.mkdir(parents=True, exist_ok=True)
     template = None if seed_prefect_home(home, templates) else _template_path(templates)
-    port = _free_port()
-    log.info("Starting temporary server on http://127.0.0.1:%d", port)
-    api = TemporaryApi(home, port, _launch(home, port), template=template)
+    if _HOST:
+        port = _HOST[0](home, server_env(home))
+        api = TemporaryApi(home, port, None, template=template, host=_HOST[0])
+        log.info("Prefect API: the daemon's temporary server, http://127.0.0.1:%d", port)
+    else:
+        port = _free_port()
+        log.info("Starting temporary server on http://127.0.0.1:%d", port)
+        api = TemporaryApi(home, port, _launch(home, port), template=template)
     _PENDING.append(api)
     _STARTED.append(api)
     if len(_STARTED) == 1:
@@ -271,9 +313,23 @@ def _launch(home: Path, port: int) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parents[1])]
     command += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--log-level", "error", "--lifespan", "on"]
+    return subprocess.Popen(command, env=server_env(home), stdin=subprocess.DEVNULL)
+
+
+def server_env(home: Path) -> dict[str, str]:
+    """The environment of a temporary API for `home`: this process's, as Prefect sets it."""
     env = {**os.environ, **_TEMPORARY_SERVER_ENV, "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
-    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+    return env
+
+
+def _reload_prefect_settings() -> None:
+    """Read Prefect's settings and logging configuration again from this environment."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.logging.configuration import setup_logging
+
+    refresh_global_settings_context()
+    setup_logging(incremental=False)
 
 
 def _free_port() -> int:

@@ -34,6 +34,22 @@ def patient_temporary_api() -> None:
     )
 
 
+def no_prefect_telemetry() -> None:
+    """Default Prefect's usage telemetry to off (`PREFECT_SERVER_ANALYTICS_ENABLED`, if unset).
+
+    The temporary Prefect API a command starts posts a heartbeat to prefect.io; offline, each
+    run printed `ERROR | prefect.server.services.telemetry - Failed to send telemetry`. The
+    servers `lmpipe up` starts have it off already (docs/operations.md). The client's own
+    analytics are off too (`DO_NOT_TRACK=1`, if unset). Must run before Prefect is imported
+    (its settings are read once, at import) and before the temporary API starts (it inherits
+    the environment).
+    """
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The client's own analytics heed only DO_NOT_TRACK: on a terminal, each new Prefect home
+    # (every new workspace) printed a notice and tried to post a first-import event.
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
 def cache_dir() -> Path:
     """The per-user cache of lmpipe: `LMPIPE_CACHE_DIR`, else `$XDG_CACHE_HOME/lmpipe`.
 
