@@ -80,11 +80,23 @@ def daemon_enabled() -> bool:
 def daemon_key(env: dict[str, str] | None = None) -> str:
     """What a daemon must share with a command to run it: 16 hex digits.
 
-    The interpreter and its version, the user, the packages installed (their folder's
-    modification time changes with every install), lmpipe's source (each module's path, size
-    and modification time) and the environment but for `VOLATILE_ENV`.
+    The code (`code_fingerprint`) and the environment but for `VOLATILE_ENV`.
     """
     env = dict(os.environ if env is None else env)
+    digest = hashlib.sha256(code_fingerprint().encode() + b"\0")
+    for name in sorted(set(env) - VOLATILE_ENV):
+        digest.update(f"{name}={env[name]}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def code_fingerprint() -> str:
+    """The code a daemon runs: 16 hex digits.
+
+    The interpreter and its version, the user, the packages installed (their folder's
+    modification time changes with every install) and lmpipe's source (each module's path,
+    size and modification time). A daemon whose code is not the current one is stopped by the
+    next daemon to start (`pipelines.daemon.server`).
+    """
     digest = hashlib.sha256()
     for part in (sys.executable, sys.version, str(os.getuid())):
         digest.update(part.encode() + b"\0")
@@ -93,8 +105,6 @@ def daemon_key(env: dict[str, str] | None = None) -> str:
     for root in _SOURCES:
         for path, stat in _python_files(_REPO / root):
             digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}\0".encode())
-    for name in sorted(set(env) - VOLATILE_ENV):
-        digest.update(f"{name}={env[name]}\0".encode())
     return digest.hexdigest()[:16]
 
 
@@ -187,7 +197,7 @@ def _connect_or_start(key: str) -> socket.socket | None:
     import subprocess  # only when a daemon is to start
 
     started = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.daemon", key],
+        [sys.executable, "-m", "pipelines.daemon", key, code_fingerprint()],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

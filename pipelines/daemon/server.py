@@ -1,8 +1,11 @@
 """The command daemon: imports once, then forks a child per command and per Prefect home.
 
-`python -m pipelines.daemon KEY` (started by the `lmpipe` client, `pipelines.daemon.client`)
-takes the abstract socket of KEY first, so that of two commands starting a daemon at once
-only one warms up, then imports `child.WARM_MODULES` and answers, one at a time:
+`python -m pipelines.daemon KEY CODE` (started by the `lmpipe` client,
+`pipelines.daemon.client`) takes the abstract socket of KEY first, so that of two commands
+starting a daemon at once only one warms up. It registers itself in `<cache>/daemon/KEY.json`
+and stops the daemons registered there whose CODE (`client.code_fingerprint`) is not its own:
+lmpipe or its packages changed, so no command will reach them again. Then it imports
+`child.WARM_MODULES` and answers, one at a time:
 
 - `run`: fork; the child becomes the client's command (`child.become_command`) and returns
   from `Daemon.serve` to run it; the daemon sends the client the child's pid, then its exit
@@ -23,6 +26,7 @@ import contextlib
 import errno
 import gc
 import importlib
+import json
 import logging
 import os
 import selectors
@@ -68,7 +72,7 @@ class Request:
     fds: list[int]
 
 
-def run(key: str) -> int:
+def run(key: str, code: str = "") -> int:
     """The daemon process for `key`; in a forked child, the command's exit code."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -79,12 +83,14 @@ def run(key: str) -> int:
         raise
     listener.listen(64)
     _log_to(key)
+    registry = _register(key, code)
     started = time.monotonic()
     _warm_up()
     log.info("daemon %s warm after %.2f s (pid %d)", key, time.monotonic() - started, os.getpid())
     daemon = Daemon(key, listener)
     request = daemon.serve()
     if request is None:
+        registry.unlink(missing_ok=True)
         return 0
     become_command(request.message, request.fds, daemon.api_host)
     from pipelines.cli.main import main
@@ -102,6 +108,26 @@ def _log_to(key: str) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+
+def _register(key: str, code: str) -> Path:
+    """Write this daemon's registration; stop the registered daemons of other code."""
+    from pipelines.ops.runtime import cache_dir
+
+    folder = cache_dir() / "daemon"
+    for path in folder.glob("*.json"):
+        try:
+            other = json.loads(path.read_text())
+            if path.stem != key and other.get("code") != code:
+                protocol.ask(path.stem, {"op": "stop"})
+                log.info(
+                    "stopped daemon %s (pid %s): its code is not current", path.stem, other["pid"]
+                )
+        except (OSError, ValueError, KeyError):
+            path.unlink(missing_ok=True)  # gone without removing it (killed)
+    registry = folder / f"{key}.json"
+    registry.write_text(json.dumps({"pid": os.getpid(), "code": code}))
+    return registry
 
 
 def _warm_up() -> None:

@@ -167,3 +167,27 @@ def test_lmpipe_daemon_0_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not daemon_enabled()
     monkeypatch.setenv("LMPIPE_DAEMON", "1")
     assert daemon_enabled() == (sys.platform == "linux")
+
+
+def test_a_daemon_of_other_code_is_stopped_by_the_next(
+    daemon_env: dict[str, str], recipe: Path, tmp_path: Path
+) -> None:
+    stale = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.daemon", "0123456789abcdef", "older-code"],
+        env=daemon_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        registered = tmp_path / "cache" / "daemon" / "0123456789abcdef.json"
+        deadline = time.monotonic() + 60
+        while not registered.is_file():
+            assert time.monotonic() < deadline, "the stale daemon never registered"
+            time.sleep(0.05)
+        assert lmpipe(daemon_env, "ingest", str(recipe)).returncode == 0
+        assert stale.wait(timeout=60) == 0  # the new daemon asked it to stop; it had no command
+        assert not registered.exists()
+    finally:
+        if stale.poll() is None:
+            stale.terminate()
+            stale.wait()
