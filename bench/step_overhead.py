@@ -20,8 +20,13 @@ Shapes:
 - `bert-mini`: `BertForPreTraining` at BERT-mini's shape (4 layers, 256 dims, 4 heads, FFN
   1024), batch 32 x 128 tokens, on bench/pretrain_data.py's BERT examples (static masks).
 
-Reported per shape: the median ms per step of each and lmpipe's tokens/s over the plain
-loop's (the inverse ratio of the medians). docs/benchmarks.md, "Step overhead", has figures.
+For a GPT-2 module a third arm takes its steps in the same rotation: the nanoGPT-style
+reference of bench/char_reference.py (`Reference`) at the module's shape, on the same token
+ids: issue 39's yardstick for the module itself.
+
+Reported per shape: the median ms per step of each, lmpipe's tokens/s over the plain loop's
+and over the reference's (the inverse ratios of the medians). docs/benchmarks.md, "Step
+overhead" and "The module", has figures.
 """
 
 from __future__ import annotations
@@ -110,6 +115,40 @@ class Plain:
         self.opt.zero_grad(set_to_none=True)
 
 
+class Reference:
+    """The nanoGPT-style reference (bench/char_reference.py's `CharGPT`) at the module's shape.
+
+    Pre-LN blocks without biases, exact GELU, `scaled_dot_product_attention`, tied head:
+    the outside yardstick of issue 39 for a GPT-2 module, trained like the plain loop.
+    """
+
+    def __init__(self, config: Any, lr: float, clip: float) -> None:
+        """Build it (seeded) at `config`'s shape: layers, heads, width, positions, vocabulary."""
+        import torch
+        from char_reference import CharGPT
+
+        torch.manual_seed(0)
+        self.model = CharGPT(
+            config.vocab_size, config.n_positions, config.n_layer, config.n_head, config.n_embd
+        ).train()
+        self.clip = clip
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=True)
+
+    def step(self, batch: dict[str, Any], autocast: Any) -> None:
+        """One optimizer step on the batch's token ids (next-token cross-entropy)."""
+        import torch
+        import torch.nn.functional as F
+
+        ids = batch["input_ids"]
+        with autocast():
+            logits = self.model(ids)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """Interleave lmpipe's steps and the plain loop's on one shape; return their step times."""
     import torch
@@ -146,14 +185,17 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     )
     # The plain loop's batches: the worker's own plans, built before any step is timed.
     batches = [b for s in range(steps) for b in worker._plan(s + 1, _cursor_at(worker, s)).batches]
-    times: dict[str, list[float]] = {"lmpipe": [], "plain": []}
+    loops: dict[str, Any] = {"plain": plain}
+    if worker.engine.module.config.model_type == "gpt2":
+        loops["reference"] = Reference(worker.engine.module.config, train.optim.lr, worker.clip)
+    times: dict[str, list[float]] = {"lmpipe": [], **{arm: [] for arm in loops}}
     for i in range(steps):
-        for arm in ("lmpipe", "plain") if i % 2 == 0 else ("plain", "lmpipe"):
+        for arm in list(times) if i % 2 == 0 else reversed(times):
             start = time.perf_counter()
             if arm == "lmpipe":
                 worker.train_step()
             else:
-                plain.step(batches[i], worker.precision)
+                loops[arm].step(batches[i], worker.precision)
             if i >= spec["warmup"]:
                 times[arm].append(time.perf_counter() - start)
     worker.flush()
@@ -189,14 +231,15 @@ def run_shape(name: str, args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"{name}: exit {code}; see {log}")
     raw = json.loads((args.work / f"run-{name}" / "result.json").read_text())
     ms = {arm: statistics.median(t) * 1e3 for arm, t in raw["times"].items()}
-    return {
+    result = {
         "threads": raw["threads"],
         "tokens_per_step": raw["tokens_per_step"],
-        "lmpipe_ms": ms["lmpipe"],
-        "plain_ms": ms["plain"],
+        **{f"{arm}_ms": value for arm, value in ms.items()},
         "lmpipe_over_plain_tokens_per_s": ms["plain"] / ms["lmpipe"],
-        "times": raw["times"],
     }
+    if "reference" in ms:
+        result["lmpipe_over_reference_tokens_per_s"] = ms["reference"] / ms["lmpipe"]
+    return result | {"times": raw["times"]}
 
 
 def main() -> None:
@@ -221,6 +264,12 @@ def main() -> None:
             f"{name}: lmpipe {r['lmpipe_ms']:.1f} ms, plain {r['plain_ms']:.1f} ms a step "
             f"({r['threads']} threads, {r['tokens_per_step']} tokens): lmpipe's tokens/s "
             f"{r['lmpipe_over_plain_tokens_per_s']:.3f}x the plain loop's"
+            + (
+                f"; reference {r['reference_ms']:.1f} ms: lmpipe's tokens/s "
+                f"{r['lmpipe_over_reference_tokens_per_s']:.3f}x the reference's"
+                if "reference_ms" in r
+                else ""
+            )
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

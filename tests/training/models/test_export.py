@@ -21,6 +21,7 @@ from tasks.tokenizer.tokenizer import (
     to_transformers,
     train_tokenizer,
 )
+from training.models.config import Family, ModelConfig
 from training.models.export import (
     DataRef,
     ExportCheckError,
@@ -35,6 +36,7 @@ from training.models.export import (
     read_card,
     reload_check,
 )
+from training.models.models import OBJECTIVES, build_model
 
 SYLLABLES = ["ka", "lo", "mi", "ran", "te", "sul", "vo", "ni", "pe", "dor", "ba", "ish"]
 TOKENIZERS = {
@@ -221,6 +223,37 @@ def test_export_holds_safetensors_tokenizer_and_card(family: str, exports: Expor
     for text in ("## Final metrics", "eval/loss", "ex-1234", "tok-5678", "513984e", "zero_stage"):
         assert text in readme
     assert read_card(hf_dir) == card
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2", "t5"])
+def test_an_export_gives_lmpipes_modules_logits(
+    family: Family, tokenizer_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The model lmpipe builds for a family (its preset, e.g. GPT-2's fused tanh GELU) and a
+    stock transformers load of its export compute the same logits in fp32, within 1e-5."""
+    tok_dir = tokenizer_dirs[family]
+    tok = tf.AutoTokenizer.from_pretrained(tok_dir)
+    specials = {"pad": tok.pad_token_id, "cls": tok.cls_token_id, "sep": tok.sep_token_id}
+    specials |= {"mask": tok.mask_token_id, "vocab_size": len(tok)}
+    specials["eos"] = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+    rows = vocab_rows(tok_dir, family)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(family=family), OBJECTIVES[family][0], rows, specials, 64)
+    hf_dir = export_model(model, tok_dir, tmp_path / family, card_for(family, model, tok_dir))
+    ids = torch.randint(5, len(tok), (2, 24))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if family == "t5":
+        batch["decoder_input_ids"] = ids[:, :9]
+    loaded = reload(family, hf_dir)
+    model.eval()
+    with torch.no_grad():
+        trained, exported = model(**batch), loaded(**batch)
+    key = "prediction_logits" if family == "bert" else "logits"
+    assert exported[key].dtype == torch.float32
+    torch.testing.assert_close(exported[key], trained[key], rtol=0, atol=1e-5)
+    where = {"_name_or_path", "transformers_version"}  # where it was loaded from, and by what
+    saved = {k: v for k, v in loaded.config.to_dict().items() if k not in where}
+    assert saved == {k: v for k, v in model.config.to_dict().items() if k not in where}
 
 
 def test_export_sets_tokenizer_max_length_to_the_models(
