@@ -20,14 +20,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-#: What the daemon imports before it forks: what a stage command imports before its first
-#: stage, what the data stages import around their work (MLflow's SQL store, 0.7 s, with its
-#: migration tool; matplotlib for the encode stage's histogram, 1.2 s), and Prefect's server,
-#: which each new workspace's temporary API runs. Not the
-#: modules that build a rich console when imported (the CLI's): a child builds those for its
-#: own terminal. Not torch, Ray or DeepSpeed: they may probe a GPU, which a fork must not
-#: inherit, and only the stages that train need them.
-WARM_MODULES = (
+#: What the daemon imports before it answers its first command: what a stage command imports
+#: before its first stage. Not the modules that build a rich console when imported (the
+#: CLI's): a child builds those for its own terminal. Not torch, Ray or DeepSpeed: they may
+#: probe a GPU, which a fork must not inherit, and only the stages that train need them.
+FIRST_MODULES = (
     "pipelines.config",
     "pipelines.ops.prefect_api",
     "pipelines.ops.runtime",
@@ -36,16 +33,22 @@ WARM_MODULES = (
     "prefect",
     "prefect.flow_engine",
     "prefect.task_engine",
-    "prefect.server.api.server",
-    "uvicorn",
+    "pyarrow",
+    "numpy",
+)
+#: Prefect's server, which each new workspace's temporary API runs: imported when the first
+#: one is asked for (the first command imports its flows meanwhile, on the other core).
+SERVER_MODULES = ("prefect.server.api.server", "uvicorn")
+#: What the data stages import around their work (MLflow's SQL store, 0.7 s, with its
+#: migration tool; matplotlib for the encode stage's histogram, 1.2 s): imported once the
+#: daemon has nothing else to do, so that the first command does not wait for them.
+LATER_MODULES = (
     "mlflow",
     "mlflow.store.tracking.sqlalchemy_store",
     "alembic",
     "training.tracking.runs",
     "matplotlib.figure",
     "matplotlib.backends.backend_agg",
-    "pyarrow",
-    "numpy",
 )
 #: The daemon's own handlers; a child starts with Python's defaults.
 DAEMON_SIGNALS = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

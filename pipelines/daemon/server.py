@@ -5,7 +5,9 @@
 starting a daemon at once only one warms up. It registers itself in `<cache>/daemon/KEY.json`
 and stops the daemons registered there whose CODE (`client.code_fingerprint`) is not its own:
 lmpipe or its packages changed, so no command will reach them again. Then it imports
-`child.WARM_MODULES` and answers, one at a time:
+`child.FIRST_MODULES` (`SERVER_MODULES` with the first Prefect API, `LATER_MODULES` once idle:
+the first command does not wait for what it would not have imported yet) and answers, one at
+a time:
 
 - `run`: fork; the child becomes the client's command (`child.become_command`) and returns
   from `Daemon.serve` to run it; the daemon sends the client the child's pid, then its exit
@@ -41,7 +43,9 @@ from typing import Any
 from pipelines.daemon import protocol
 from pipelines.daemon.child import (
     DAEMON_SIGNALS,
-    WARM_MODULES,
+    FIRST_MODULES,
+    LATER_MODULES,
+    SERVER_MODULES,
     become_command,
     detach,
     serve_prefect_api,
@@ -86,7 +90,7 @@ def run(key: str, code: str = "") -> int:
     registry = _register(key, code)
     started = time.monotonic()
     _warm_up()
-    log.info("daemon %s warm after %.2f s (pid %d)", key, time.monotonic() - started, os.getpid())
+    log.info("daemon %s ready after %.2f s (pid %d)", key, time.monotonic() - started, os.getpid())
     daemon = Daemon(key, listener)
     request = daemon.serve()
     if request is None:
@@ -131,7 +135,7 @@ def _register(key: str, code: str) -> Path:
 
 
 def _warm_up() -> None:
-    """Import `WARM_MODULES` as a command would: Prefect's settings fixed first."""
+    """Import `FIRST_MODULES` as a command would: Prefect's settings fixed first."""
     from pipelines.ops.runtime import cache_dir, no_prefect_telemetry, patient_temporary_api
 
     # A scratch home for the daemon's own import of Prefect, which makes it if missing; each
@@ -140,7 +144,13 @@ def _warm_up() -> None:
     os.environ.pop("PREFECT_API_URL", None)
     patient_temporary_api()
     no_prefect_telemetry()
-    for name in WARM_MODULES:
+    _import(FIRST_MODULES)
+
+
+def _import(modules: tuple[str, ...]) -> None:
+    if all(name in sys.modules for name in modules):
+        return
+    for name in modules:
         importlib.import_module(name)
     gc.collect()
     gc.freeze()  # children share these pages; a collection in one would copy them
@@ -159,6 +169,7 @@ class Daemon:
         self.active_s = time.monotonic()
         self.started_s = time.monotonic()
         self.idle_s = float(os.environ.get("LMPIPE_DAEMON_IDLE_S", IDLE_S))
+        self.later: tuple[str, ...] = LATER_MODULES  # imported at the first quiet moment
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
@@ -171,7 +182,11 @@ class Daemon:
     def serve(self) -> Request | None:
         """Answer until stopped or idle (None); in a forked command child, its request."""
         while not self._done():
-            for event, _ in self.selector.select(timeout=self._timeout()):
+            events = self.selector.select(timeout=0.2 if self.later else self._timeout())
+            if not events and self.later:
+                _import(self.later)
+                self.later = ()
+            for event, _ in events:
                 if event.data == "accept":
                     request = self._accept()
                     if request is not None:
@@ -309,6 +324,7 @@ class Daemon:
             self._stop_api(home)  # the home was deleted and made again: a new database
             api = None
         if api is None:
+            _import(SERVER_MODULES)  # once: the first API
             while len(self.apis) >= MAX_APIS:
                 self._stop_api(min(self.apis, key=lambda h: self.apis[h].used_s))
             api = self._fork_api(home, env)
