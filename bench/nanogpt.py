@@ -32,7 +32,8 @@ def nanogpt_model(config: Any) -> Any:
             q, k, v = (z.view(b, t, heads, d // heads).transpose(1, 2) for z in (q, k, v))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.attn_proj(y.transpose(1, 2).reshape(b, t, d))
-            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+            mlp: torch.Tensor = self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+            return x + mlp
 
     class GPT(nn.Module):
         def __init__(self) -> None:

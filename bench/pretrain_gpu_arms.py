@@ -8,50 +8,58 @@ order) and uses the same optimizer (`OPTIM`), in bf16 on a GPU:
   CUDA's sync debug mode (`sync_check`);
 - `child_plain`: a plain PyTorch loop on the same model, loss and batches, already on the
   device: fused AdamW, bf16 autocast, clipping, nothing else;
-- `child_nanogpt`: the outside reference, nanoGPT's GPT-2 (bench/nanogpt.py), compiled with
-  its loss;
-- `child_device`: the device, its peaks and the versions in use.
+- `child_reference`: the outside reference with its loss in its forward, compiled as one
+  graph: nanoGPT's GPT-2 (bench/nanogpt.py) or the nanoGPT-style BERT (bench/nanobert.py);
+- `child_device`: the device, its peaks and the versions in use (and `child_init`'s weights).
 
-The timed steps of every arm are one CUDA-synchronised window after the warm-up.
+`run_child` runs the one a spec names (`CHILDREN`) and writes its result.
+
+The timed steps of every arm are one CUDA-synchronised window after the warm-up; within it,
+`StepClock` marks each step's end on the device's timeline (CUDA events, no host wait), which
+the time-to-quality report reads (`elapsed_s`).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from harness import version_of
+from nanobert import nanobert_inputs, nanobert_model, nanobert_state
 from nanogpt import nanogpt_model, nanogpt_state
 from pretrain_arms import loop_batches, real_tokens, seeded_model, worker_job
 from pretrain_data import GPT2_VOCAB
 
 SYNC_CHECK_STEPS = 3  # lmpipe's steps run under CUDA's sync debug mode after the timed ones
 
-#: model -> lmpipe family, size, objective, examples set, batch, MFU target (datasheet peak).
+#: model -> lmpipe family, size, example set (bench/pretrain_data.py), batch, MFU target
+#: (datasheet peak), the outside reference's arm.
 MODELS: dict[str, dict[str, Any]] = {
     "bert-base": {
         "family": "bert",
         "size": "base",
-        "objective": "bert",
         "data": "bert",
         "batch": 256,
         "overrides": {},
         "target": 0.40,
+        "reference": "nanobert",
     },
     "gpt2-124m": {
         "family": "gpt2",
         "size": "base",
-        "objective": "causal",
         "data": "gpt2",
         "batch": 32,
         "overrides": {"vocab_size": GPT2_VOCAB},
         "dropout": 0.0,  # as nanoGPT and llm.c pretrain GPT-2
         "target": 0.45,
+        "reference": "nanogpt",
     },
 }
 #: The optimizer of every arm (lmpipe's `train.optim`): nanoGPT's GPT-2 settings, constant
@@ -126,21 +134,59 @@ def lmpipe_config(spec: dict[str, Any]) -> Any:
     )
 
 
-def lmpipe_window(worker: Any, warmup: int, steps: int, gpu: bool) -> float:
-    """Train `warmup` steps, then `steps` steps as one synchronised window; return its seconds."""
-    import torch
+class StepClock:
+    """Each step's end, in seconds from the window's start, on the device's own timeline.
 
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    On a GPU a CUDA event is recorded after each step (no host wait, so the host runs ahead as
+    it would untimed) and read once the window is over; on a CPU, whose steps are synchronous,
+    the host clock is read.
+    """
+
+    def __init__(self, gpu: bool) -> None:
+        """Start the window now (after waiting for the work queued before it)."""
+        import torch
+
+        self.gpu, self.marks = gpu, list[Any]()
+        if gpu:
+            torch.cuda.synchronize()
+            self.start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            self.start.record()
+        self.host_start = time.perf_counter()
+
+    def mark(self) -> None:
+        """Mark the end of a step."""
+        import torch
+
+        if self.gpu:
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def stop(self) -> tuple[float, list[float]]:
+        """Wait for the device; the window's wall seconds and each step's end (s from start)."""
+        import torch
+
+        if self.gpu:
+            torch.cuda.synchronize()
+            ends = [self.start.elapsed_time(event) / 1000 for event in self.marks]  # ms -> s
+        else:
+            ends = [mark - self.host_start for mark in self.marks]
+        return time.perf_counter() - self.host_start, ends
+
+
+def lmpipe_window(worker: Any, warmup: int, steps: int, gpu: bool) -> tuple[float, list[float]]:
+    """Train `warmup` steps, then `steps` as one synchronised window; its seconds, step ends."""
     for _ in range(warmup):
         worker.train_step()
     worker.flush()  # the loop's own reads at its logging interval stay inside the window
-    sync()
-    start = time.perf_counter()
+    clock = StepClock(gpu)
     for _ in range(steps):
         worker.train_step()
+        clock.mark()
     worker.flush()
-    sync()
-    return time.perf_counter() - start
+    return clock.stop()
 
 
 def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
@@ -159,7 +205,7 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
     worker = Worker(job, LocalContext(run_dir))
     worker.engine.module.load_state_dict(torch.load(spec["init"]))  # the arms' common start
     warmup, steps = spec["warmup"], spec["steps"]
-    window_s = lmpipe_window(worker, warmup, steps, gpu)
+    window_s, elapsed = lmpipe_window(worker, warmup, steps, gpu)
     check = sync_check(worker, gpu)
     ordered = list(step_history(run_dir / "steps.jsonl").values())[: warmup + steps]
     return {
@@ -167,6 +213,7 @@ def child_lmpipe(spec: dict[str, Any]) -> dict[str, Any]:
         "step_s": [row["step_time_s"] for row in ordered[:warmup]] + [window_s / steps] * steps,
         "tokens": [row["tokens_per_s"] * row["step_time_s"] for row in ordered],
         "losses": [row["loss"] for row in ordered],
+        "elapsed_s": elapsed,
         "flops_per_token": worker.telemetry.flops_per_token,
         "parameters": sum(p.numel() for p in worker.engine.module.parameters()),
         "attention": cfg.document_attention(),
@@ -231,11 +278,18 @@ def _adamw(params: Any) -> Any:
     return torch.optim.AdamW(params, lr=OPTIM["lr"], betas=betas, eps=eps, fused=True)
 
 
-def _timed_steps(step: Any, batches: list[Any], warmup: int, device: Any) -> list[float]:
-    """Run `step` over `batches`: the warm-up timed one by one, then one synchronised window."""
+def _timed_steps(
+    step: Any, batches: list[Any], warmup: int, device: Any
+) -> tuple[list[float], list[float]]:
+    """Run `step` over `batches`: the warm-up timed one by one, then one synchronised window.
+
+    Returns each step's seconds (the window's mean for the timed ones) and, for the timed
+    steps, each one's end in seconds from the window's start (`StepClock`).
+    """
     import torch
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gpu = device.type == "cuda"
+    sync: Callable[[], None] = torch.cuda.synchronize if gpu else (lambda: None)
     step_s = []
     for batch in batches[:warmup]:  # reported, not counted
         sync()
@@ -244,12 +298,57 @@ def _timed_steps(step: Any, batches: list[Any], warmup: int, device: Any) -> lis
         sync()
         step_s.append(time.perf_counter() - start)
     timed = batches[warmup:]
-    sync()
-    start = time.perf_counter()
+    clock = StepClock(gpu)
     for batch in timed:
         step(batch)
-    sync()
-    return step_s + [(time.perf_counter() - start) / max(len(timed), 1)] * len(timed)
+        clock.mark()
+    window_s, elapsed = clock.stop()
+    return step_s + [window_s / max(len(timed), 1)] * len(timed), elapsed
+
+
+def _train(
+    spec: dict[str, Any], model: Any, loss_of: Any, batches: list[Any], device: Any
+) -> dict[str, Any]:
+    """Train `model` over `batches` with `OPTIM`; `loss_of(batch)` is a step's loss tensor.
+
+    The plain and the reference arms' step: bf16 autocast (where `_bf16`), backward, clipping,
+    the fused AdamW; each loss stays on the device until the window is over.
+    """
+    import torch
+
+    from training.runtime.deepspeed import param_groups
+
+    opt = _adamw(param_groups(model.named_parameters(), OPTIM["weight_decay"]))
+    losses = []
+
+    def step(batch: dict[str, Any]) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_bf16(spec)):
+            loss = loss_of(batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"], foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())  # read after the window
+
+    step_s, elapsed = _timed_steps(step, batches, spec["warmup"], device)
+    return {
+        "step_s": step_s,
+        "elapsed_s": elapsed,
+        "tokens": [float(real_tokens(batch)) for batch in batches],
+        "losses": [float(loss) for loss in losses],
+        "parameters": sum(p.numel() for p in model.parameters()),
+        **_memory(device.type == "cuda"),
+    }
+
+
+def _flops(manifest: dict[str, Any], config: Any) -> float:
+    """Model FLOPs per input token of `config` on these examples, as lmpipe's telemetry counts."""
+    from training.models.flops import flops_per_token
+    from training.pretrain.data import sequence_length
+
+    mlm = manifest["config"]["mask"]["masked_lm_prob"]
+    objective = manifest["objective"]
+    return flops_per_token(config, sequence_length(manifest), objective, mlm_probability=mlm)
 
 
 def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
@@ -257,96 +356,64 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from training.models.config import document_attention
-    from training.models.flops import flops_per_token
     from training.models.models import ModelConfig, build_model
     from training.pretrain.data import sequence_length
-    from training.pretrain.losses import pretraining_loss
-    from training.runtime.deepspeed import param_groups
+    from training.pretrain.losses import pretraining_loss, varying_masked_positions
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     manifest, batches = _device_batches(spec, device)
     objective = manifest["objective"]
-    length = sequence_length(manifest)
     section = ModelConfig.model_validate(model_section(spec))
     specials = manifest["specials"]
     # The attention lmpipe's `train.attention: auto` picks for this model and device.
     attention = document_attention("auto", section, spec["docmask"], device.type == "cuda")
-    vocab = specials["vocab_size"]
+    vocab, length = specials["vocab_size"], sequence_length(manifest)
     model = build_model(section, objective, vocab, specials, length, attention)
     model.load_state_dict(torch.load(spec["init"]))  # the arms' common start
     model = model.to(device).train()
-    opt = _adamw(param_groups(model.named_parameters(), OPTIM["weight_decay"]))
-    loss_fn = functools.partial(pretraining_loss, model, objective)
+    loss_fn: Callable[..., Any] = functools.partial(pretraining_loss, model, objective)
     if spec["compile"] and spec["scope"] == "modules":
         for child in model.children():
             child.compile()
     elif spec["compile"]:  # the model and the loss as one graph, as the loop compiles them
-        loss_fn = torch.compile(loss_fn)
-    losses = []
-
-    def step(batch: dict[str, Any]) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_bf16(spec)):
-            out = loss_fn(batch, True)
-        out.loss.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"], foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(out.loss.detach())  # read after the window
-
-    step_s = _timed_steps(step, batches, spec["warmup"], device)
-    mlm = manifest["config"]["mask"]["masked_lm_prob"]
-    return {
-        "step_s": step_s,
-        "tokens": [float(real_tokens(batch)) for batch in batches],
-        "losses": [float(loss) for loss in losses],
-        "flops_per_token": flops_per_token(model.config, length, objective, mlm_probability=mlm),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "attention": attention,
-        **_memory(device.type == "cuda"),
-    }
+        loss_fn = varying_masked_positions(torch.compile(loss_fn))
+    result = _train(spec, model, lambda batch: loss_fn(batch, True).loss, batches, device)
+    return result | {"flops_per_token": _flops(manifest, model.config), "attention": attention}
 
 
-def child_nanogpt(spec: dict[str, Any]) -> dict[str, Any]:
-    """The outside reference: a minimal nanoGPT-style loop (fused AdamW, compile) on GPT-2."""
+#: The outside references by objective: the module, its map of transformers' weights, and
+#: the arguments of its forward (which returns the loss) from a batch.
+REFERENCES: dict[str, tuple[Callable[..., Any], ...]] = {
+    "causal": (nanogpt_model, nanogpt_state, lambda batch: (batch["input_ids"],)),
+    "bert": (nanobert_model, nanobert_state, nanobert_inputs),
+}
+
+
+def child_reference(spec: dict[str, Any]) -> dict[str, Any]:
+    """The outside reference: nanoGPT's GPT-2 or the nanoGPT-style BERT, compiled with its loss.
+
+    Built from the transformers config lmpipe builds, loaded from the arms' common initial
+    weights (`strict`: every weight maps), trained by the plain arms' step (`_train`).
+    """
     import torch
 
-    from training.models.flops import flops_per_token
     from training.models.models import ModelConfig, model_config_for
-    from training.runtime.deepspeed import param_groups
+    from training.pretrain.data import sequence_length
 
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     manifest, batches = _device_batches(spec, device)
-    length = manifest["config"]["block_size"]
+    build, rename, inputs = REFERENCES[manifest["objective"]]
     section = ModelConfig.model_validate(model_section(spec))
     specials = manifest["specials"]
-    config = model_config_for(section, specials["vocab_size"], specials, length)
-    model = nanogpt_model(config)
-    model.load_state_dict(nanogpt_state(torch.load(spec["init"])))  # the arms' common start
+    config = model_config_for(section, specials["vocab_size"], specials, sequence_length(manifest))
+    model = build(config)
+    model.load_state_dict(rename(torch.load(spec["init"])))  # the arms' common start
     model = model.to(device).train()
-    opt = _adamw(param_groups(model.named_parameters(), OPTIM["weight_decay"]))
     forward = torch.compile(model) if spec["compile"] else model
-    losses = []
-
-    def step(batch: dict[str, Any]) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=_bf16(spec)):
-            loss = forward(batch["input_ids"])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"], foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-
-    step_s = _timed_steps(step, batches, spec["warmup"], device)
-    return {
-        "step_s": step_s,
-        "tokens": [float(real_tokens(batch)) for batch in batches],
-        "losses": [float(loss) for loss in losses],
-        "flops_per_token": flops_per_token(config, length, "causal"),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        **_memory(device.type == "cuda"),
-    }
+    result = _train(spec, model, lambda batch: forward(*inputs(batch)), batches, device)
+    return result | {"flops_per_token": _flops(manifest, config)}
 
 
 def _memory(gpu: bool) -> dict[str, Any]:
@@ -358,9 +425,15 @@ def _memory(gpu: bool) -> dict[str, Any]:
 
 
 def child_device(spec: dict[str, Any]) -> dict[str, Any]:
-    """The device, its datasheet and measured bf16 peaks, and the versions in use."""
+    """The device, its datasheet and measured bf16 peaks, and the versions in use.
+
+    It also builds the initial weights of each spec in `inits` (`child_init`): one process
+    start-up for all of them, out of a GPU machine's few minutes.
+    """
     import torch
 
+    for init in spec.get("inits", []):
+        child_init(init)
     from training.pretrain.telemetry import measure_cuda_peak_flops, measure_peak_flops, peak_flops
 
     info: dict[str, Any] = {
@@ -384,3 +457,20 @@ def child_device(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         info["measured_peak_flops"] = measure_peak_flops(dtype)
     return info
+
+
+#: Each child's function, by the `loop` of its spec.
+CHILDREN = {
+    "lmpipe": child_lmpipe,
+    "plain": child_plain,
+    "nanogpt": child_reference,
+    "nanobert": child_reference,
+    "init": child_init,
+    "device": child_device,
+}
+
+
+def run_child(spec: dict[str, Any]) -> None:
+    """A child's entry (`pretrain_gpu.py --child SPEC`): run it, write its result JSON."""
+    result = CHILDREN[spec["loop"]](spec)
+    Path(spec["result"]).write_text(json.dumps(result))

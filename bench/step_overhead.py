@@ -20,9 +20,9 @@ Shapes:
 - `bert-mini`: `BertForPreTraining` at BERT-mini's shape (4 layers, 256 dims, 4 heads, FFN
   1024), batch 32 x 128 tokens, on bench/pretrain_data.py's BERT examples (static masks).
 
-For a GPT-2 module a third arm takes its steps in the same rotation: the nanoGPT-style
-reference of bench/char_reference.py (`Reference`) at the module's shape, on the same token
-ids: issue 39's yardstick for the module itself.
+A third arm takes its steps in the same rotation: the nanoGPT-style reference (`Reference`:
+bench/char_reference.py's GPT for GPT-2, bench/nanobert.py's BERT for BERT) at the module's
+shape, on the same batches: issue 39's yardstick for the module itself.
 
 Reported per shape: the median ms per step of each, lmpipe's tokens/s over the plain loop's
 and over the reference's (the inverse ratios of the medians). docs/benchmarks.md, "Step
@@ -116,33 +116,50 @@ class Plain:
 
 
 class Reference:
-    """The nanoGPT-style reference (bench/char_reference.py's `CharGPT`) at the module's shape.
+    """The nanoGPT-style reference at the module's shape: issue 39's yardstick for the module.
 
-    Pre-LN blocks without biases, exact GELU, `scaled_dot_product_attention`, tied head:
-    the outside yardstick of issue 39 for a GPT-2 module, trained like the plain loop.
+    GPT-2: bench/char_reference.py's `CharGPT` (pre-LN blocks without biases, exact GELU,
+    `scaled_dot_product_attention`, tied head), seeded, on the batch's token ids. BERT:
+    bench/nanobert.py's nanoBERT (fused QKV, SDPA, sparse MLM head, NSP), from the module's own
+    weights by its exact name map, on the same batch. Trained like the plain loop.
     """
 
-    def __init__(self, config: Any, lr: float, clip: float) -> None:
-        """Build it (seeded) at `config`'s shape: layers, heads, width, positions, vocabulary."""
+    def __init__(self, module: Any, lr: float, clip: float) -> None:
+        """Build the reference of `module`'s family and shape."""
         import torch
-        from char_reference import CharGPT
 
-        torch.manual_seed(0)
-        self.model = CharGPT(
-            config.vocab_size, config.n_positions, config.n_layer, config.n_head, config.n_embd
-        ).train()
+        config = module.config
+        if config.model_type == "gpt2":
+            from char_reference import CharGPT
+
+            torch.manual_seed(0)
+            self.model = CharGPT(
+                config.vocab_size, config.n_positions, config.n_layer, config.n_head, config.n_embd
+            )
+            self.loss = self._next_token_loss
+        else:
+            from nanobert import nanobert_inputs, nanobert_model, nanobert_state
+
+            self.model = nanobert_model(config)
+            self.model.load_state_dict(nanobert_state(module.state_dict()))
+            self.loss = lambda batch: self.model(*nanobert_inputs(batch))
+        self.model.train()
         self.clip = clip
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=True)
 
-    def step(self, batch: dict[str, Any], autocast: Any) -> None:
-        """One optimizer step on the batch's token ids (next-token cross-entropy)."""
-        import torch
+    def _next_token_loss(self, batch: dict[str, Any]) -> Any:
         import torch.nn.functional as F
 
         ids = batch["input_ids"]
+        logits = self.model(ids)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    def step(self, batch: dict[str, Any], autocast: Any) -> None:
+        """One optimizer step on `batch`."""
+        import torch
+
         with autocast():
-            logits = self.model(ids)
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            loss = self.loss(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
@@ -186,8 +203,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     # The plain loop's batches: the worker's own plans, built before any step is timed.
     batches = [b for s in range(steps) for b in worker._plan(s + 1, _cursor_at(worker, s)).batches]
     loops: dict[str, Any] = {"plain": plain}
-    if worker.engine.module.config.model_type == "gpt2":
-        loops["reference"] = Reference(worker.engine.module.config, train.optim.lr, worker.clip)
+    if worker.engine.module.config.model_type in {"gpt2", "bert"}:
+        loops["reference"] = Reference(worker.engine.module, train.optim.lr, worker.clip)
     times: dict[str, list[float]] = {"lmpipe": [], **{arm: [] for arm in loops}}
     for i in range(steps):
         for arm in list(times) if i % 2 == 0 else reversed(times):

@@ -6,15 +6,15 @@ Usage, here in the dev venv (it starts a local Ray and asks pip's index for whee
 
 OUT/bert/examples and OUT/bert/tokenizer: the demo corpus's BERT examples, cut exactly as the
 `demo_data` fixture cuts them (tests/conftest.py). OUT/wheels: the wheels the GPU image lacks
-or has at another version (`bench/pretrain_gpu.py`'s `download_wheels`: pydantic, DeepSpeed,
-transformers). The image already has pytest and pytest-timeout. Carry OUT to the GPU machine
-and run `make test-gpu-offline` there (docs/testing.md, "GPU tests").
+or has at another version (bench/pretrain_data.py's `download_wheels`, which
+`bench/pretrain_gpu.py prepare --wheels` calls: pydantic, DeepSpeed, transformers). The image
+already has pytest and pytest-timeout. Carry OUT to the GPU machine and run
+`make test-gpu-offline` there (docs/testing.md, "GPU tests").
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import shutil
 import sys
 import tempfile
@@ -43,14 +43,11 @@ def build_examples(out: Path) -> None:
 
 def download_wheels(out: Path) -> list[str]:
     """The GPU benchmark's wheels (the same image runs both) into `out`."""
-    path = REPO / "bench" / "pretrain_gpu.py"
-    spec = importlib.util.spec_from_file_location("pretrain_gpu", path)
-    assert spec is not None
-    assert spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    sys.path[:0] = [str(REPO), str(REPO / "bench")]  # bench/'s modules import each other so
+    from pretrain_data import download_wheels as fetch
+
     shutil.rmtree(out, ignore_errors=True)
-    wheels: list[str] = bench.download_wheels(out)
+    wheels: list[str] = fetch(out)
     return wheels
 
 
