@@ -111,12 +111,12 @@ class TemporaryApi:
             code = None if self.process is None else self.process.poll()
             if self.host is not None and time.monotonic() - asked_s > 1.0:
                 # The daemon starts it again if it ended (its port was taken, say).
-                self.port = self.host(self.home, server_env(self.home))
+                self.port = self.host(self.home, server_env(self.home, self.template is None))
                 asked_s = time.monotonic()
             elif self.process is not None and code == _PORT_IN_USE_EXIT:
                 # Another process took the port meanwhile.
                 self.port = _free_port()
-                self.process = _launch(self.home, self.port)
+                self.process = _launch(self.home, self.port, self.template is None)
             elif code is not None:
                 raise ServersError(f"the temporary Prefect API exited with code {code}")
             elif time.monotonic() - self.started_s > timeout_s:
@@ -226,14 +226,15 @@ def start_temporary_api(home: Path, templates: Path) -> TemporaryApi:
     """
     home.mkdir(parents=True, exist_ok=True)
     template = None if seed_prefect_home(home, templates) else _template_path(templates)
+    registered = template is None  # its database is a copy of one or was made before
     if _HOST:
-        port = _HOST[0](home, server_env(home))
+        port = _HOST[0](home, server_env(home, registered))
         api = TemporaryApi(home, port, None, template=template, host=_HOST[0])
         log.info("Prefect API: the daemon's temporary server, http://127.0.0.1:%d", port)
     else:
         port = _free_port()
         log.info("Starting temporary server on http://127.0.0.1:%d", port)
-        api = TemporaryApi(home, port, _launch(home, port), template=template)
+        api = TemporaryApi(home, port, _launch(home, port, registered), template=template)
     _PENDING.append(api)
     _STARTED.append(api)
     if len(_STARTED) == 1:
@@ -303,7 +304,7 @@ def _template_path(templates: Path) -> Path:
     return templates / f"prefect-{version('prefect')}.db"
 
 
-def _launch(home: Path, port: int) -> subprocess.Popen[bytes]:
+def _launch(home: Path, port: int, registered: bool) -> subprocess.Popen[bytes]:
     """Prefect's temporary server command (`SubprocessASGIServer._run_uvicorn_command`)."""
     import importlib.util
 
@@ -313,13 +314,21 @@ def _launch(home: Path, port: int) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parents[1])]
     command += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--log-level", "error", "--lifespan", "on"]
-    return subprocess.Popen(command, env=server_env(home), stdin=subprocess.DEVNULL)
+    return subprocess.Popen(command, env=server_env(home, registered), stdin=subprocess.DEVNULL)
 
 
-def server_env(home: Path) -> dict[str, str]:
-    """The environment of a temporary API for `home`: this process's, as Prefect sets it."""
+def server_env(home: Path, registered: bool) -> dict[str, str]:
+    """The environment of a temporary API for `home`: this process's, as Prefect sets it.
+
+    `registered`: the home's database holds Prefect's block types already (it was made by a
+    server, or copied from the template one made), so the server skips registering them
+    again (unless `PREFECT_API_BLOCKS_REGISTER_ON_START` is set): 0.4 s of its 0.9 s start,
+    since Prefect's record of the registration is keyed on the database's path.
+    """
     env = {**os.environ, **_TEMPORARY_SERVER_ENV, "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
+    if registered:
+        env.setdefault("PREFECT_API_BLOCKS_REGISTER_ON_START", "false")
     return env
 
 

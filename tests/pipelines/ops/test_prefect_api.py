@@ -156,3 +156,38 @@ def test_up_serves_the_flow_runs_and_models_the_workspace_recorded(
         assert [r["info"]["run_name"] for r in runs["runs"]] == ["t-tiny"]
     finally:
         stop_servers(cfg.servers, workspace)
+
+
+def test_a_seeded_home_holds_the_block_types_its_server_did_not_register_again(
+    tmp_path: Path,
+) -> None:
+    """The first home's server registers Prefect's blocks and becomes the template; a home
+    seeded from it starts its server without registering them (PREFECT_API_BLOCKS_REGISTER_ON_
+    START=false), and holds the same block types and schemas."""
+    import sqlite3
+
+    cache = tmp_path / "cache"
+    homes = []
+    for name in ("first", "seeded"):
+        (tmp_path / name).mkdir()
+        recipe = _recipe(tmp_path / name)
+        done = subprocess.run(
+            [sys.executable, "-c", _TINY_RUN, str(recipe)],
+            cwd=REPO,
+            env=_fresh_env(cache),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        homes.append(tmp_path / name / "ws" / ".prefect")
+    tables = []
+    for home in homes:
+        with sqlite3.connect(home / "prefect.db") as db:
+            types = db.execute("SELECT slug FROM block_type ORDER BY slug").fetchall()
+            schemas = db.execute("SELECT checksum FROM block_schema ORDER BY checksum").fetchall()
+            runs = db.execute("SELECT state_type FROM flow_run").fetchall()
+        tables.append((types, schemas, runs))
+    assert tables[0][0], "the first server registered the block types"
+    assert tables[1] == tables[0]  # the same blocks, and one completed run each
