@@ -59,6 +59,21 @@ def _call(url: str, body: dict[str, object] | None = None) -> object:
         return json.loads(response.read())
 
 
+def _tiny_run(recipe: Path, cache: Path) -> subprocess.CompletedProcess[str]:
+    """`_TINY_RUN` on `recipe` in a fresh interpreter with no API configured; it must pass."""
+    done = subprocess.run(
+        [sys.executable, "-c", _TINY_RUN, str(recipe)],
+        cwd=REPO,
+        env=_fresh_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def _recipe(tmp_path: Path, **extra: object) -> Path:
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({"name": "t", "workspace": str(tmp_path / "ws"), **extra}))
@@ -117,16 +132,7 @@ def test_up_serves_the_flow_runs_and_models_the_workspace_recorded(
     ports = {"prefect_port": _free_port(), "mlflow_port": _free_port()}
     recipe = _recipe(tmp_path, servers=ports)
     cache, workspace = tmp_path / "cache", tmp_path / "ws"
-    done = subprocess.run(
-        [sys.executable, "-c", _TINY_RUN, str(recipe)],
-        cwd=REPO,
-        env=_fresh_env(cache),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _tiny_run(recipe, cache)
     assert f"home={workspace / '.prefect'} url=http://127.0.0.1:" in done.stdout
     assert list(cache.glob("prefect-*.db")), "the first new home saves the template"
     from mlflow.tracking import MlflowClient
@@ -170,17 +176,7 @@ def test_a_seeded_home_holds_the_block_types_its_server_did_not_register_again(
     homes = []
     for name in ("first", "seeded"):
         (tmp_path / name).mkdir()
-        recipe = _recipe(tmp_path / name)
-        done = subprocess.run(
-            [sys.executable, "-c", _TINY_RUN, str(recipe)],
-            cwd=REPO,
-            env=_fresh_env(cache),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        _tiny_run(_recipe(tmp_path / name), cache)
         homes.append(tmp_path / name / "ws" / ".prefect")
     tables = []
     for home in homes:
