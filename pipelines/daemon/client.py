@@ -61,7 +61,10 @@ def main() -> int:
     if command == "daemon" and "-h" not in argv and "--help" not in argv:
         return daemon_command(argv[argv.index("daemon") + 1 :])
     if command in DAEMON_COMMANDS and daemon_enabled():
-        code = run_in_daemon(argv)
+        try:
+            code = run_in_daemon(argv)
+        except KeyboardInterrupt:  # before the command was handed over: nothing ran
+            return 130
         if code is not None:
             return code
     from pipelines.cli.main import main as run_here
@@ -114,18 +117,19 @@ def run_in_daemon(argv: list[str]) -> int | None:
     sock = _connect_or_start(key)
     if sock is None:
         return None
+    forward = _Forwarder()  # before the request: a signal at any moment reaches the command
     with sock:
         protocol.send(sock, _request(argv), fds=[0, 1, 2])
         try:
-            child = int(protocol.receive(sock)[0]["pid"])
+            forward.to(int(protocol.receive(sock)[0]["pid"]))
         except protocol.DaemonGone:
-            return None  # it refused or ended before forking: nothing ran yet
-        _forward_signals(child)
+            # It refused or ended before forking: nothing ran yet (here, unless interrupted).
+            return 128 + forward.pending[0] if forward.pending else None
         try:
             answer = protocol.receive(sock)[0]
         except protocol.DaemonGone:
             print(
-                f"lmpipe: the daemon running this command (pid {child}) ended; see "
+                f"lmpipe: the daemon running this command (pid {forward.child}) ended; see "
                 "`lmpipe daemon status` for its log",
                 file=sys.stderr,
             )
@@ -220,13 +224,35 @@ def _connect_or_start(key: str) -> socket.socket | None:
     return None
 
 
-def _forward_signals(child: int) -> None:
-    def forward(signum: int, _frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGTERM if signum == signal.SIGHUP else signum)
+class _Forwarder:
+    """Passes Ctrl-C, SIGTERM and SIGHUP (as SIGTERM) on to the command's child.
 
-    for signum in _FORWARDED:
-        signal.signal(signum, forward)
+    Installed before the request is sent; a signal that arrives before the child's pid is
+    known waits for it.
+    """
+
+    def __init__(self) -> None:
+        self.child: int | None = None
+        self.pending: list[int] = []
+        for signum in _FORWARDED:
+            signal.signal(signum, self._on_signal)
+
+    def to(self, child: int) -> None:
+        """Forward to `child` from now on, and the signals that came before."""
+        self.child = child
+        for signum in self.pending:
+            self._send(signum)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.child is None:
+            self.pending.append(signum)
+        else:
+            self._send(signum)
+
+    def _send(self, signum: int) -> None:
+        assert self.child is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.child, signal.SIGTERM if signum == signal.SIGHUP else signum)
 
 
 def _python_files(root: Path) -> list[tuple[str, os.stat_result]]:
