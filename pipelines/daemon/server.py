@@ -54,6 +54,8 @@ from pipelines.daemon.child import (
 log = logging.getLogger(__name__)
 
 IDLE_S = 900.0
+#: What a client passes on to its command (`client._Forwarder`).
+FORWARDED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 MAX_APIS = 8  # Prefect homes served at once; the least recently used stops first
 _ACCEPT_TIMEOUT_S = 10.0  # for a client's request once connected
 
@@ -249,11 +251,16 @@ class Daemon:
         self, conn: socket.socket, message: dict[str, Any], fds: list[int]
     ) -> Request | None:
         _flush()  # or the child writes the daemon's buffered log lines to its terminal
+        # A signal forwarded right after the fork must reach the command's handlers, not the
+        # daemon's copied ones: held back until the child has installed its own.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
         pid = os.fork()
         if pid == 0:
             detach([self.listener, self.wake_r, self.wake_w, conn, *self._clients()])
             self.selector.close()
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             return Request(message, fds)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         for fd in fds:
             os.close(fd)
         conn.settimeout(None)
