@@ -73,6 +73,22 @@ def main(argv: list[str] | None = None) -> int:
         return int(report_failure(exc, debug))
 
 
+def process_main(argv: list[str] | None = None) -> int:
+    """`main` in a process that ends with the command (the entry point, a daemon's child).
+
+    Ray is left here, not by its exit hook, which first sleeps 0.5 s so that the workers' log
+    lines can reach the terminal; lmpipe does not forward them (`log_to_driver=False`). A
+    driver only disconnects (the daemon's node stays); a node this process started stops, as
+    it would at exit. Tests call `main` instead, and keep their session's Ray.
+    """
+    try:
+        return main(argv)
+    finally:
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+
+
 #: The HTTP clients under Prefect's and MLflow's API calls: each logs every request at INFO.
 HTTP_LOGGERS = ("httpx", "httpcore", "urllib3")
 
@@ -285,4 +301,4 @@ def _demo_corpus(out: Path, seed: int, documents: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(process_main())

@@ -64,8 +64,17 @@ def detach(sockets: Iterable[socket.socket]) -> None:
         sock.close()  # through the object: a stray finaliser would close a reused descriptor
 
 
-def become_command(request: dict[str, Any], fds: list[int], ask_api: Callable[..., int]) -> None:
-    """Take on the client's terminal, directory, environment and arguments (`request`)."""
+def become_command(
+    request: dict[str, Any],
+    fds: list[int],
+    ask_api: Callable[..., int],
+    ask_ray: Callable[[int, int], str | None],
+) -> None:
+    """Take on the client's terminal, directory, environment and arguments (`request`).
+
+    The command then asks the daemon for its temporary Prefect API (`ask_api`) and for a local
+    Ray node (`ask_ray`) instead of starting its own.
+    """
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
     for fd in fds:
@@ -91,6 +100,9 @@ def become_command(request: dict[str, Any], fds: list[int], ask_api: Callable[..
     from pipelines.ops.prefect_api import use_api_host
 
     use_api_host(ask_api)
+    from tasks.common.ray_runtime import use_local_node
+
+    use_local_node(ask_ray)
 
 
 def serve_prefect_api(home: str, port: int, env: dict[str, str]) -> int:

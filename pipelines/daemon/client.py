@@ -67,9 +67,9 @@ def main() -> int:
             return 130
         if code is not None:
             return code
-    from pipelines.cli.main import main as run_here
+    from pipelines.cli.main import process_main
 
-    return run_here(argv)
+    return process_main(argv)
 
 
 def daemon_enabled() -> bool:
@@ -206,7 +206,9 @@ def _connect_or_start(key: str) -> socket.socket | None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,  # not in this terminal's process group: Ctrl-C is forwarded
-        cwd="/",
+        # From this checkout's root, so that `-m` imports the code `code_fingerprint` hashed
+        # (another checkout's installed copy would otherwise be found first).
+        cwd=str(_REPO),
     )
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -15,11 +15,13 @@ a time:
 - `prefect`: the port of the temporary Prefect API serving a home, forked on the first ask
   (Prefect's server is imported already: it answers in under a second) and kept for the next
   commands; a home whose database was replaced gets a new one.
+- `ray`: the address of the local Ray node of a size (CPUs, object store), started on the
+  first ask and kept for the next commands (`pipelines.daemon.ray_node`).
 - `status`, `stop`: what it runs; exit once the running commands end.
 
 No thread of its own (a fork copies only the forking thread): child exits arrive as SIGCHLD on a
 wake-up socket. It exits when idle for `LMPIPE_DAEMON_IDLE_S` seconds (default 900),
-stopping the Prefect APIs it started. Its log: `<cache>/daemon/KEY.log`.
+stopping the Prefect APIs and Ray nodes it started. Its log: `<cache>/daemon/KEY.log`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from pipelines.daemon.child import (
     detach,
     serve_prefect_api,
 )
+from pipelines.daemon.ray_node import RayNode, start_node, stop_node
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ IDLE_S = 900.0
 #: What a client passes on to its command (`client._Forwarder`).
 FORWARDED_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 MAX_APIS = 8  # Prefect homes served at once; the least recently used stops first
+MAX_NODES = 2  # local Ray nodes of different sizes; a command asking for a third starts its own
 _ACCEPT_TIMEOUT_S = 10.0  # for a client's request once connected
 
 
@@ -98,10 +102,10 @@ def run(key: str, code: str = "") -> int:
     if request is None:
         registry.unlink(missing_ok=True)
         return 0
-    become_command(request.message, request.fds, daemon.api_host)
-    from pipelines.cli.main import main
+    become_command(request.message, request.fds, daemon.api_host, daemon.ray_address)
+    from pipelines.cli.main import process_main
 
-    return main(request.message["argv"])
+    return process_main(request.message["argv"])
 
 
 def _log_to(key: str) -> None:
@@ -167,6 +171,7 @@ class Daemon:
         self.selector = selectors.DefaultSelector()
         self.commands: dict[int, socket.socket | None] = {}  # pid -> its client, until gone
         self.apis: dict[str, PrefectApi] = {}
+        self.nodes: dict[tuple[int, int], RayNode] = {}  # (CPUs, object store MiB) -> node
         self.stopping = False
         self.active_s = time.monotonic()
         self.started_s = time.monotonic()
@@ -198,6 +203,8 @@ class Daemon:
                 else:
                     self._client_readable(event.fileobj)  # type: ignore[arg-type]
         self._stop_apis()
+        for node in self.nodes.values():
+            stop_node(node)
         log.info("daemon %s exits", self.key)
         return None
 
@@ -205,6 +212,11 @@ class Daemon:
         """In a command child: the port of the daemon's temporary API for `home`."""
         answer = protocol.ask(self.key, {"op": "prefect", "home": str(home), "env": env})
         return int(answer["port"])
+
+    def ray_address(self, num_cpus: int, object_store_mb: int) -> str | None:
+        """In a command child: the address of the daemon's local Ray node of this size."""
+        message = {"op": "ray", "num_cpus": num_cpus, "object_store_mb": object_store_mb}
+        return protocol.ask(self.key, message)["address"]  # type: ignore[no-any-return]
 
     def _done(self) -> bool:
         if self.commands:
@@ -240,6 +252,11 @@ class Daemon:
         with conn:
             if op == "prefect":
                 protocol.send(conn, {"port": self._api_port(message["home"], message["env"])})
+            elif op == "ray":
+                address = self._ray_address(
+                    int(message["num_cpus"]), int(message["object_store_mb"])
+                )
+                protocol.send(conn, {"address": address})
             elif op == "status":
                 protocol.send(conn, self._status())
             elif op == "stop":
@@ -313,6 +330,10 @@ class Daemon:
                 if api.pid == pid:
                     log.info("Prefect API for %s (pid %d) exited with %d", home, pid, code)
                     del self.apis[home]
+            for size, node in list(self.nodes.items()):
+                if node.pid == pid:
+                    log.info("Ray node %s (pid %d) exited with %d", node.address, pid, code)
+                    del self.nodes[size]
 
     def _finish(self, pid: int, code: int) -> None:
         conn = self.commands.pop(pid)
@@ -322,6 +343,20 @@ class Daemon:
         self.selector.unregister(conn)
         with contextlib.suppress(OSError), conn:
             protocol.send(conn, {"exit": code})
+
+    def _ray_address(self, num_cpus: int, object_store_mb: int) -> str | None:
+        """The address of the node of this size, started first if none; None past `MAX_NODES`."""
+        size = (num_cpus, object_store_mb)
+        node = self.nodes.get(size)
+        if node is None:
+            if len(self.nodes) >= MAX_NODES:
+                return None  # the command starts its own, as without a daemon
+            from pipelines.ops.runtime import cache_dir
+
+            logs = cache_dir() / "daemon"
+            node = start_node(num_cpus, object_store_mb, dict(os.environ), logs, self.key)
+            self.nodes[size] = node
+        return node.address
 
     def _api_port(self, home: str, env: dict[str, str]) -> int:
         """The port of the live API for `home`, forked first if none or its database changed."""
@@ -390,6 +425,7 @@ class Daemon:
             "exits_when_idle_for_s": self.idle_s,
             "commands": sorted(self.commands),
             "prefect_apis": {home: api.port for home, api in self.apis.items()},
+            "ray_nodes": {node.address: node.pid for node in self.nodes.values()},
             "log": str(cache_dir() / "daemon" / f"{self.key}.log"),
         }
 

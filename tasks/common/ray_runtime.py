@@ -195,9 +195,7 @@ def ensure_ray(cfg: RayConfig) -> None:
 
     if ray.is_initialized():
         return
-    # Workers inherit these: one thread each keeps 2-core machines from oversubscribing.
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    runtime_env = {"env_vars": env}
+    runtime_env = {"env_vars": dict(WORKER_ENV)}
     if cfg.address and address_host(cfg.address) not in LOOPBACK_HOSTS:
         ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=False)
         return
@@ -205,12 +203,14 @@ def ensure_ray(cfg: RayConfig) -> None:
         if cfg.address:
             ray.init(address=cfg.address, runtime_env=runtime_env, log_to_driver=False)
             return
+        if _join_provided_node(cfg):
+            return
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         # A local Ray's workers inherit the raylet's environment, so the variables are set
         # while `ray.init` starts it, not as a job runtime_env: Ray prestarts its workers
         # without the job's runtime_env, could not use them for its tasks, and would start
         # a second set (measured: 2 idle workers of 80 MiB each, and a slower first task).
-        with scoped_environ(env), keep_sigterm_handler():
+        with scoped_environ(WORKER_ENV), keep_sigterm_handler():
             ray.init(
                 num_cpus=local_ray_cpus(cfg),
                 object_store_memory=cfg.object_store_mb << 20,
@@ -218,6 +218,87 @@ def ensure_ray(cfg: RayConfig) -> None:
                 _node_ip_address="127.0.0.1",
                 log_to_driver=False,
             )
+
+
+#: What a local Ray's workers inherit: one thread each keeps 2-core machines from
+#: oversubscribing.
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+#: Who provides a running local Ray node (the command daemon's, `use_local_node`), if anyone.
+_NODE_PROVIDER: list[Callable[[int, int], str | None]] = []
+_NODE_WAIT_S = 120.0
+
+
+def use_local_node(provider: Callable[[int, int], str | None]) -> None:
+    """Join the local Ray node `provider(num_cpus, object_store_mb)` names instead of starting one.
+
+    The command daemon keeps one (pipelines/daemon/ray_node.py), so that a command pays a
+    driver's connection, not a node's start and stop. The provider answers the node's GCS
+    address, or None when it has none to give.
+    """
+    _NODE_PROVIDER[:] = [provider]
+
+
+def local_node_command(
+    num_cpus: int, object_store_mb: int, port: int, client_port: int, temp_dir: Path
+) -> list[str]:
+    """`ray start` arguments of a local node as `ensure_ray` would start it: loopback only.
+
+    Run with `local_node_env`; `--block` keeps the command in the foreground, and SIGTERM to it
+    stops the node's processes. Its own `temp_dir`: `ray start` writes the address of the
+    cluster it starts into `<temp dir>/ray_current_cluster`, which a plain `ray.init()` on this
+    machine would then join instead of starting its own Ray (and fail on its `num_cpus`).
+    """
+    return [
+        *("start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}"),
+        f"--temp-dir={temp_dir}",
+        f"--ray-client-server-port={client_port}",
+        f"--num-cpus={num_cpus}",
+        f"--object-store-memory={object_store_mb << 20}",
+        *("--include-dashboard=false", "--disable-usage-stats"),
+    ]
+
+
+def local_node_env(base: dict[str, str]) -> dict[str, str]:
+    """The environment of `local_node_command`: `base`, the workers' variables, loopback only.
+
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is what `_loopback_node_ip` sets in this process: the
+    node keeps 127.0.0.1 as its address, so its servers listen on loopback only.
+    """
+    return (
+        base
+        | WORKER_ENV
+        | {
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+    )
+
+
+def _join_provided_node(cfg: RayConfig) -> bool:
+    """Connect to the provided local node, once its GCS answers; False if there is none."""
+    if not _NODE_PROVIDER:
+        return False
+    address = _NODE_PROVIDER[0](local_ray_cpus(cfg), cfg.object_store_mb)
+    if address is None:
+        return False
+    import socket
+    import time
+
+    import ray
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + _NODE_WAIT_S
+    while True:  # a node just asked for is still starting: its GCS port opens first
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                log.warning("the local Ray node at %s never answered; starting one", address)
+                return False
+            time.sleep(0.05)
+    ray.init(address=address, log_to_driver=False)
+    return True
 
 
 @contextlib.contextmanager

@@ -8,6 +8,8 @@ daemon it started by its pid (`lmpipe daemon stop`, then SIGTERM if it is still 
 
 from __future__ import annotations
 
+import ast
+import ipaddress
 import os
 import signal
 import sqlite3
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from pipelines.daemon.client import daemon_enabled, daemon_key
@@ -191,3 +194,70 @@ def test_a_daemon_of_other_code_is_stopped_by_the_next(
         if stale.poll() is None:
             stale.terminate()
             stale.wait()
+
+
+def node_processes(pid: int) -> list[psutil.Process]:
+    """The `ray start --block` process `pid` and every process under it."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def loopback(ip: str) -> bool:
+    """Whether `ip` is a loopback address, an IPv4 one mapped into IPv6 included."""
+    address = ipaddress.ip_address(ip)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def driver_pids(address: str, env: dict[str, str]) -> set[int]:
+    """The pids of the drivers (other than the asking one) the Ray node at `address` has seen."""
+    code = (
+        "import os, ray; from ray._private import ray_constants as c; "
+        "c.ENABLE_RAY_CLUSTER = False; "
+        f"ray.init(address={address!r}, log_to_driver=False); "
+        "from ray._private.state import jobs; "
+        "print(*[j['DriverPid'] for j in jobs() if j['DriverPid'] != os.getpid()])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return {int(pid) for pid in out.stdout.split()}
+
+
+def test_commands_join_the_daemons_ray_node_which_stops_with_it(
+    daemon_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Stage commands join one local Ray node the daemon keeps, bound to loopback only."""
+    sources = []
+    for part in range(2):  # two files: two work units, so ingestion runs on Ray
+        corpus = tmp_path / f"part{part}.txt"
+        corpus.write_text("\n\n".join(f"Part {part}, document {i} runs on." for i in range(50)))
+        sources.append(f"{{path: {corpus}, format: txt}}")
+    recipe = tmp_path / "ray.yaml"
+    recipe.write_text(f"name: ray\ningest: {{sources: [{', '.join(sources)}]}}\n")
+    for workspace in ("a", "b"):
+        done = lmpipe(daemon_env, "ingest", str(recipe), f"workspace={tmp_path / workspace}")
+        assert done.returncode == 0, done.stderr
+    nodes = ast.literal_eval(status(daemon_env)["ray_nodes"])  # {address: pid}
+    assert len(nodes) == 1, nodes
+    ((address, pid),) = nodes.items()
+    assert len(driver_pids(address, daemon_env)) == 2  # each command joined it as a driver
+    processes = node_processes(pid)
+    names = {p.name() for p in processes}
+    assert {"gcs_server", "raylet"} <= names, names
+    listening = [
+        conn.laddr.ip
+        for p in processes
+        for conn in p.net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN
+    ]
+    assert listening
+    assert all(loopback(ip) for ip in listening), listening
+
+    assert lmpipe(daemon_env, "daemon", "stop").returncode == 0
+    deadline = time.monotonic() + 60
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes):
+        assert time.monotonic() < deadline, [p for p in processes if p.is_running()]
+        time.sleep(0.2)
