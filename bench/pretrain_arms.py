@@ -57,15 +57,22 @@ def real_tokens(batch: dict[str, Any]) -> Any:
     return batch["input_ids"].numel()
 
 
-def seeded_model(section: Any, objective: str, manifest: dict[str, Any], length: int) -> Any:
-    """Build the model of `section`, seeded, exactly as `training.pretrain.loop.Worker` does."""
+def seeded_model(
+    section: Any, objective: str, manifest: dict[str, Any], length: int, stock: bool = False
+) -> Any:
+    """Build the model of `section`, seeded, exactly as `training.pretrain.loop.Worker` does.
+
+    `stock`: transformers' own class rather than lmpipe's fast subclass of it (the same
+    initial weights under the seed); the plain arms train it, as a user's own loop would.
+    """
     import torch
 
     from training.models.models import build_model
 
     specials = manifest["specials"]
     torch.manual_seed(SEED)
-    return build_model(section, objective, specials["vocab_size"], specials, length)
+    vocab = specials["vocab_size"]
+    return build_model(section, objective, vocab, specials, length, stock=stock)
 
 
 def worker_job(train: Any, spec: dict[str, Any], config_hash: str) -> Any:

@@ -58,10 +58,15 @@ def model_section() -> Any:
 
 
 def build_bench_model(examples_dir: Path) -> Any:
-    """A fresh model (seeded), exactly as `training.pretrain.loop.Worker` builds it."""
+    """A fresh `BertForPreTraining` (seeded) with the initial weights the loop's model gets.
+
+    transformers' own class: the plain loop and the Trainer arm run its stock forward, as a
+    user's loop would, while lmpipe trains its fast subclass (`model.implementation`).
+    """
     from training.pretrain.data import read_manifest
 
-    return seeded_model(model_section(), "bert", read_manifest(examples_dir), SEQ_LEN)
+    manifest = read_manifest(examples_dir)
+    return seeded_model(model_section(), "bert", manifest, SEQ_LEN, stock=True)
 
 
 def lr_factor(step: int, total: int) -> float:

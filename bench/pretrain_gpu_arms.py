@@ -369,7 +369,8 @@ def child_plain(spec: dict[str, Any]) -> dict[str, Any]:
     # The attention lmpipe's `train.attention: auto` picks for this model and device.
     attention = document_attention("auto", section, spec["docmask"], device.type == "cuda")
     vocab, length = specials["vocab_size"], sequence_length(manifest)
-    model = build_model(section, objective, vocab, specials, length, attention)
+    # transformers' own class, as a user's loop trains it (lmpipe's arm: its fast subclass).
+    model = build_model(section, objective, vocab, specials, length, attention, stock=True)
     model.load_state_dict(torch.load(spec["init"]))  # the arms' common start
     model = model.to(device).train()
     loss_fn: Callable[..., Any] = functools.partial(pretraining_loss, model, objective)

@@ -7,7 +7,9 @@ For each shape, in one subprocess of its own, lmpipe's `Worker.train_step`
 (training/pretrain/loop.py, the step `lmpipe pretrain` takes by default: one worker, ZeRO 0,
 in this process, the recipe's precision) and a plain loop take their steps interleaved, in
 alternating order, so that drift in the machine's load falls on both alike. Both get the same
-module (the plain loop's is a copy of the worker's, with its initial weights), the same
+module's weights (the plain loop's module is transformers' own class, `GPT2LMHeadModel` or
+`BertForPreTraining`, with the worker's initial weights, whether or not the worker trains
+lmpipe's fast subclass of it, `model.implementation`), the same
 threads (the usable cores: what `threads_per_worker: auto` gives the one worker) and the same
 batches, in the same order. The plain loop is what a user writes: the loss of the module's
 objective (`training.pretrain.losses.pretraining_loss`), `backward`, `clip_grad_norm_`, torch's
@@ -89,6 +91,14 @@ def bert_examples(work: Path) -> dict[str, Any]:
 
 
 SHAPES = {"nanogpt": shakespeare_examples, "bert-mini": bert_examples}
+
+
+def stock_copy(module: Any) -> Any:
+    """A copy of `module` as transformers' own class (`module` may be lmpipe's fast subclass)."""
+    from training.models.fast import as_stock
+
+    stock = as_stock(module)
+    return copy.deepcopy(module) if stock is module else stock
 
 
 class Plain:
@@ -197,9 +207,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     )
     init_single_process()
     worker = Worker(job, LocalContext(run_dir))
-    plain = Plain(
-        copy.deepcopy(worker.engine.module), worker.objective, train.optim.lr, worker.clip
-    )
+    plain = Plain(stock_copy(worker.engine.module), worker.objective, train.optim.lr, worker.clip)
     # The plain loop's batches: the worker's own plans, built before any step is timed.
     batches = [b for s in range(steps) for b in worker._plan(s + 1, _cursor_at(worker, s)).batches]
     loops: dict[str, Any] = {"plain": plain}

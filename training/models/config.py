@@ -79,6 +79,13 @@ class ModelConfig(BaseModel):
         le=1,
         description="Override every dropout probability of the family (None: the preset's).",
     )
+    implementation: Literal["fast", "transformers"] = Field(
+        "fast",
+        description="fast: train the family's lmpipe subclass of its transformers class where "
+        "it has one (training/models/fast/: the same parameters, hence the same checkpoint and "
+        "a stock export, with a leaner forward for the common pretraining case); "
+        "transformers: the stock class's own forward.",
+    )
     pad_vocab_to_multiple_of: int = Field(
         64,
         ge=1,

@@ -48,6 +48,7 @@ from training.models.cards import ModelFamily as ModelFamily
 from training.models.cards import TokenizerRef as TokenizerRef
 from training.models.cards import read_card as read_card
 from training.models.cards import render_card, serving_class
+from training.models.fast import as_stock
 from training.models.models import FAMILIES, PAD_OFFSET_POSITIONS
 
 log = logging.getLogger(__name__)
@@ -284,7 +285,7 @@ def export_model(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        model.save_pretrained(staged)
+        as_stock(model).save_pretrained(staged)  # a fast module saves as its stock class
         if card.family in GENERATIVE and not (staged / "generation_config.json").exists():
             GenerationConfig.from_model_config(model.config).save_pretrained(staged)
         _save_tokenizer(model, tokenizer_dir, staged)

@@ -27,6 +27,7 @@ from training.models.config import Family as Family
 from training.models.config import ModelConfig as ModelConfig
 from training.models.config import Size as Size
 from training.models.config import Value as Value
+from training.models.fast import fast_class
 from training.models.vocab import pad_vocab
 
 Kind = Literal["encoder", "decoder", "seq2seq"]
@@ -424,8 +425,13 @@ def build_model(
     specials: Mapping[str, int | None],
     max_length: int,
     attention: DocumentAttention = "dense",
+    stock: bool = False,
 ) -> tf.PreTrainedModel:
     """Check the objective, then build a freshly initialised model (the caller seeds torch).
+
+    With `model.implementation` fast the model is the family's fast subclass where it has one
+    (training/models/fast/: same parameters, leaner forward); `stock` builds the transformers
+    class itself, as an export holds it.
 
     `attention` flex (`TrainConfig.document_attention`) makes a causal model attend through
     FlexAttention where a batch carries document ids (training/models/attention.py).
@@ -441,7 +447,10 @@ def build_model(
             raise ModelConfigError(f"flex attention is for causal families, not {cfg.family}")
         register_document_flex()
         config._attn_implementation = DOCUMENT_FLEX
-    model = model_class(cfg.family)(config)
+    cls = model_class(cfg.family)
+    if cfg.implementation == "fast" and not stock:
+        cls = fast_class(cfg.family) or cls
+    model = cls(config)
     if cfg.activation_checkpointing:
         # transformers 5.23 deprecates gradient_checkpointing_enable for this name; it uses
         # torch's non-reentrant checkpoint by default.

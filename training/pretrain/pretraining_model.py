@@ -104,5 +104,5 @@ def build_export_model(
         layers = cfg.distillation.student_layers or max(1, teacher.num_hidden_layers // 2)
         config = student_config(teacher, layers, cfg.model.dropout)
         return tf.DistilBertForMaskedLM(config), "student."
-    model = build_model(cfg.model, objective, vocab_size, specials, max_length)
+    model = build_model(cfg.model, objective, vocab_size, specials, max_length, stock=True)
     return model, "discriminator." if cfg.model.family == "electra" else ""

@@ -25,9 +25,10 @@ from training.runtime.worker_context import LocalContext
 
 pytestmark = [pytest.mark.slow]
 
-# Eager GPT-2 asks transformers for two reads per forward that lmpipe cannot turn off (both are
-# skipped under torch.compile): the "padding without a mask" warning's look at the first and
-# last ids, and the packed-sequence check of the position ids.
+# transformers' own eager GPT-2 forward (`model.implementation: transformers`) makes two reads
+# per forward (both skipped under torch.compile): the "padding without a mask" warning's look at
+# the first and last ids, and the packed-sequence check of the position ids. lmpipe's fast GPT-2
+# (training/models/fast/gpt2.py) makes neither.
 TRANSFORMERS_CAUSAL_READS = (
     "warn_if_padding_and_no_attention_mask",
     "find_packed_sequence_indices",
@@ -37,9 +38,10 @@ TRANSFORMERS_CAUSAL_READS = (
 def worker(data: dict[str, Path], run_dir: Path, **train: Any) -> loop.Worker:
     """A one-rank worker: 8 samples a step in micro-batches of 4 (two accumulate), clipping on."""
     family = train.pop("family", "bert")
+    implementation = train.pop("implementation", "fast")
     cfg = TrainConfig.model_validate(
         {
-            "model": {"family": family, "size": "tiny"},
+            "model": {"family": family, "size": "tiny", "implementation": implementation},
             "max_steps": 20,
             "global_batch_size": 8,
             "micro_batch_size": 4,
@@ -75,12 +77,25 @@ def test_a_step_reads_nothing_on_the_host(
     rows = (tmp_path / "bert" / "steps.jsonl").read_text().splitlines()
     assert len(rows) == 3
 
+    # lmpipe's fast GPT-2 (the default) reads nothing either; transformers' own forward makes
+    # its two checks.
     causal = worker(
         demo_data.examples("causal"), tmp_path / "gpt2", family="gpt2", log_every_steps=1000
     )
     causal.train_step()
     with count_host_reads() as reads:
         causal.train_step()
+    assert reads == []
+    stock = worker(
+        demo_data.examples("causal"),
+        tmp_path / "gpt2-stock",
+        family="gpt2",
+        implementation="transformers",
+        log_every_steps=1000,
+    )
+    stock.train_step()
+    with count_host_reads() as reads:
+        stock.train_step()
     assert reads, "transformers' own checks were expected: has transformers dropped them?"
     assert {read.owner for read in reads} == {"transformers"}, reads
     assert {read.where.split("(")[-1].rstrip(")") for read in reads} <= set(

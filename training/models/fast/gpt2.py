@@ -1,0 +1,223 @@
+"""GPT-2's fast class: `GPT2LMHeadModel` with a lean forward for causal pretraining.
+
+`FastGPT2LMHeadModel` adds no parameter, buffer or module: its state dict, its initialisation
+under a seed and its checkpoints are the stock class's. Only `forward` changes, and only for the
+calls pretraining makes (training/pretrain/losses/decoder.py): token ids, no mask or a 4-D
+document mask, `position_ids` or none, no KV cache, SDPA attention. There it runs the stock
+modules' operations on the same weights (Conv1D's `addmm` on its (in, out) weight, SDPA with
+each layer's scale and dropout, the config's activation) as one straight function, without the
+stock path's per-call work: the output-capturing and config-default decorators, the padding
+check and `create_causal_mask` (either may read a tensor on the host), the attention-interface
+lookup and its checks, and a module call per Conv1D and dropout. Any other call (a 2-D
+padding mask, a FlexAttention `BlockMask`, a KV cache, activation checkpointing, ZeRO-3 or any
+hook on a submodule, `logits_to_keep`, extra outputs, another attention implementation) runs
+the stock forward. Elsewhere: the registry (`training.models.fast.FAST_CLASSES`) and the
+export (`as_stock`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
+from transformers import GPT2LMHeadModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+from training.models.attention import DOCUMENT_FLEX
+
+#: Attention implementations whose layers run `F.scaled_dot_product_attention` on a tensor
+#: mask or none: transformers' SDPA, and lmpipe's document FlexAttention without a BlockMask.
+SDPA_IMPLEMENTATIONS = frozenset({"sdpa", DOCUMENT_FLEX})
+
+
+class FastGPT2LMHeadModel(GPT2LMHeadModel):  # type: ignore[no-untyped-call]
+    """`GPT2LMHeadModel` whose pretraining forward skips the stock per-call overhead.
+
+    Same parameters, same names, same order of creation: under one torch seed its fresh state
+    dict equals the stock class's. Outputs equal the stock forward's within float rounding.
+    """
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        attention_mask: Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        encoder_hidden_states: Tensor | None = None,
+        encoder_attention_mask: Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | Tensor = 0,
+        **kwargs: Any,
+    ) -> Any:
+        """Next-token logits (and the loss, given `labels`), as `GPT2LMHeadModel.forward`.
+
+        The signature is the stock one, so that generation and other callers that inspect it
+        see no difference. Calls the fast path does not cover go to the stock forward.
+        """
+        others = (past_key_values, token_type_ids, inputs_embeds, encoder_hidden_states)
+        if (
+            input_ids is not None
+            and input_ids.dim() == 2
+            and all(other is None for other in others)
+            and encoder_attention_mask is None
+            and not kwargs
+            and isinstance(logits_to_keep, int)
+            and logits_to_keep == 0
+            and not _wants_cache(self, use_cache)
+            and _covered_inputs(attention_mask, position_ids)
+            and self._fast_path_ready()
+        ):
+            logits = causal_lm_logits(self, input_ids, attention_mask, position_ids)
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size)
+            return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
+        return super().forward(
+            input_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+
+    def _fast_path_ready(self) -> bool:
+        """Whether the model's state lets the fast path stand in for the stock forward.
+
+        Hooks on submodules (DeepSpeed ZeRO-3 gathers partitioned weights in them; adapters
+        and probes use them) fire only when a submodule is called, which the fast path does
+        not do per layer.
+        """
+        config = self.config
+        if config._attn_implementation not in SDPA_IMPLEMENTATIONS:
+            return False
+        if not getattr(config, "is_causal", True) or not config.return_dict:
+            return False
+        gpt = self.transformer
+        if gpt.gradient_checkpointing or any(b.gradient_checkpointing for b in gpt.h):
+            return False
+        if hasattr(gpt.wte.weight, "ds_id"):  # ZeRO-3 partitions every weight (and marks it)
+            return False
+        return not _hooked(self)
+
+
+def _wants_cache(model: FastGPT2LMHeadModel, use_cache: bool | None) -> bool:
+    """Whether the stock forward would build and return a KV cache (the config's default)."""
+    return bool(model.config.use_cache if use_cache is None else use_cache)
+
+
+def _covered_inputs(mask: Any, position_ids: Any) -> bool:
+    """No mask or a 4-D tensor mask (not a `BlockMask`); positions absent or (B or 1, T)."""
+    mask_ok = mask is None or (isinstance(mask, Tensor) and mask.dim() == 4)
+    return mask_ok and (position_ids is None or position_ids.dim() == 2)
+
+
+def _hooked(model: nn.Module) -> bool:
+    """Whether a forward or backward hook is registered on a submodule of `model`, or globally.
+
+    The model's own hooks (DeepSpeed's engine puts some on it) fire around this forward as
+    they do around the stock one; a submodule's would not.
+    """
+    if (
+        torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+        or torch_module._global_backward_hooks
+        or torch_module._global_backward_pre_hooks
+    ):
+        return True
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        for m in itertools.islice(model.modules(), 1, None)  # modules() yields `model` first
+    )
+
+
+def causal_lm_logits(
+    model: FastGPT2LMHeadModel,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+) -> Tensor:
+    """(B, T, V) logits of `input_ids` (B, T): the stock forward's operations, inlined.
+
+    `attention_mask` is None (causal) or 4-D, used as given; with no mask, `position_ids`
+    that restart mark packed sequences, which attend only within themselves (as transformers'
+    `create_causal_mask` reads them), here without asking the host whether they restart.
+    """
+    gpt = model.transformer
+    batch, length = input_ids.shape
+    # No ids: the (T, D) rows an arange would gather; else (B or 1, T, D)
+    positions = gpt.wpe.weight[:length] if position_ids is None else gpt.wpe(position_ids)
+    x = gpt.wte(input_ids) + positions  # (B, T, D)
+    x = _dropout(x, gpt.drop.p, model.training).reshape(batch * length, -1)  # (B*T, D)
+    if attention_mask is None and position_ids is not None:
+        attention_mask = packed_sequence_mask(position_ids, batch)
+    for block in gpt.h:
+        x = _block(cast(GPT2Block, block), x, attention_mask, batch, model.training)
+    # (B, T, D): a 3-D input makes the logits a fresh tensor, not a view, so the loss's
+    # in-place masking of padded vocabulary columns costs no gradient copy (CopySlices)
+    x = x.view(batch, length, -1)
+    x = F.layer_norm(x, gpt.ln_f.normalized_shape, gpt.ln_f.weight, gpt.ln_f.bias, gpt.ln_f.eps)
+    return F.linear(x, model.lm_head.weight, model.lm_head.bias)  # (B, T, V)
+
+
+def packed_sequence_mask(position_ids: Tensor, batch: int) -> Tensor:
+    """(B, 1, T, T) boolean mask: causal, within runs of `position_ids` that count up by 1.
+
+    transformers' `find_packed_sequence_indices` rule; a row of one run is plain causal.
+    """
+    positions = position_ids.expand(batch, -1)  # (B, T)
+    steps = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+    runs = (steps != 1).cumsum(-1)  # (B, T): the packed sequence of each token
+    length = positions.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
+    return ((runs[:, :, None] == runs[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
+
+
+def _block(block: GPT2Block, x: Tensor, mask: Tensor | None, batch: int, training: bool) -> Tensor:
+    """One pre-LN GPT-2 block on `x` (B*T, D), as `GPT2Block.forward` computes it."""
+    attn, mlp = block.attn, block.mlp
+    width, heads = x.shape[-1], attn.num_heads
+    h = F.layer_norm(
+        x, block.ln_1.normalized_shape, block.ln_1.weight, block.ln_1.bias, block.ln_1.eps
+    )
+    qkv = torch.addmm(attn.c_attn.bias, h, attn.c_attn.weight)  # (B*T, 3D): Conv1D's op
+    # (B, T, 3, H, D/H) -> three (B, H, T, D/H) views, the strides the stock split gives
+    q, k, v = qkv.view(batch, -1, 3, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
+    y = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=attn.attn_dropout.p if training else 0.0,
+        is_causal=mask is None and q.shape[2] > 1,  # the stock rule: one query sees itself
+        scale=attn.scaling,
+    )  # (B, H, T, D/H)
+    y = y.transpose(1, 2).reshape(x.shape)  # (B*T, D)
+    y = torch.addmm(attn.c_proj.bias, y, attn.c_proj.weight)
+    x = x + _dropout(y, attn.resid_dropout.p, training)
+    h = F.layer_norm(
+        x, block.ln_2.normalized_shape, block.ln_2.weight, block.ln_2.bias, block.ln_2.eps
+    )
+    h = mlp.act(torch.addmm(mlp.c_fc.bias, h, mlp.c_fc.weight))  # (B*T, 4D)
+    h = torch.addmm(mlp.c_proj.bias, h, mlp.c_proj.weight)
+    return x + _dropout(h, mlp.dropout.p, training)
+
+
+def _dropout(x: Tensor, p: float, training: bool) -> Tensor:
+    """`nn.Dropout(p)` in `training` mode, or `x` itself where it would be the identity."""
+    return F.dropout(x, p, training) if training and p > 0 else x
