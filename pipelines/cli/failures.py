@@ -134,15 +134,22 @@ def cause_line(exc: BaseException) -> str:
     return f"{name}: {message[0]}" if message else name
 
 
-def report_failure(exc: BaseException, debug: bool, out: TextIO | None = None) -> ExitCode:
+def report_failure(
+    exc: BaseException,
+    debug: bool,
+    out: TextIO | None = None,
+    signal_code: ExitCode | None = None,
+) -> ExitCode:
     """Print what failed and return the exit code; the last line is the cause, in one line.
 
     With `debug` the traceback comes first. A message of several lines (a config error lists
     every bad key) has its other lines printed before the last line, which carries its first
-    line, so no line is printed twice (the traceback holds them all already).
+    line, so no line is printed twice (the traceback holds them all already). `signal_code`
+    (`signalled`): the command was interrupted by a signal, whatever `exc` became.
     """
     out = out or sys.stderr
     code, decided_by = classify(exc)
+    code = signal_code or code
     if debug:
         traceback.print_exception(exc, file=out)
     if code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED):
@@ -156,19 +163,44 @@ def report_failure(exc: BaseException, debug: bool, out: TextIO | None = None) -
     return code
 
 
+#: The signals `signals_raise` turned into exceptions in this process, oldest first.
+RECEIVED: list[int] = []
+
+
 @contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """Turn SIGTERM into `Terminated` in the main thread for the block, then restore."""
+def signals_raise() -> Iterator[None]:
+    """For the block, in the main thread: SIGTERM raises `Terminated`, SIGINT `KeyboardInterrupt`.
+
+    Each signal is also noted (`RECEIVED`), so that the exit code says the command was
+    interrupted even when what it interrupted turned the exception into another failure (a
+    library that catches `BaseException` and raises its own). A SIGINT that this process
+    ignores (started with it ignored, as `nohup` and background jobs are) stays ignored. The
+    handlers are restored after the block.
+    """
 
     def _raise(signum: int, frame: FrameType | None) -> None:
+        RECEIVED.append(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise Terminated(f"signal {signum}")
 
+    handled = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        handled.append(signal.SIGINT)
     try:
-        previous = signal.signal(signal.SIGTERM, _raise)
-    except ValueError:  # not the main thread (a test runner's worker): leave SIGTERM alone
+        previous = {signum: signal.signal(signum, _raise) for signum in handled}
+    except ValueError:  # not the main thread (a test runner's worker): leave them alone
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def signalled(since: int) -> ExitCode | None:
+    """The exit code of the first signal noted after the first `since` (`RECEIVED`), if any."""
+    if len(RECEIVED) <= since:
+        return None
+    return ExitCode.INTERRUPTED if RECEIVED[since] == signal.SIGINT else ExitCode.TERMINATED

@@ -24,7 +24,14 @@ from typing import Any
 
 from rich.console import Console
 
-from pipelines.cli.failures import ExitCode, Terminated, report_failure, sigterm_raises
+from pipelines.cli.failures import (
+    RECEIVED,
+    ExitCode,
+    Terminated,
+    report_failure,
+    signalled,
+    signals_raise,
+)
 from pipelines.cli.keys import UnknownSectionError, describe, format_keys
 from pipelines.cli.parser import build_parser, join_nested
 from pipelines.config import RunConfig, load_config
@@ -53,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     log_http_requests(bool(getattr(args, "verbose", False)))
     debug = bool(getattr(args, "debug", False))
-    guard = sigterm_raises() if args.command in STAGE_COMMANDS else contextlib.nullcontext()
+    guard = signals_raise() if args.command in STAGE_COMMANDS else contextlib.nullcontext()
+    signals_before = len(RECEIVED)
     patient_temporary_api()
     no_prefect_telemetry()
     skip_final_collections()
@@ -70,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except BaseException as exc:  # reported as an exit code; the traceback with --debug
         log.debug("lmpipe %s failed", args.command, exc_info=exc)
-        return int(report_failure(exc, debug))
+        return int(report_failure(exc, debug, signal_code=signalled(signals_before)))
 
 
 def process_main(argv: list[str] | None = None) -> int:
@@ -139,8 +147,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             _print_piped(json.dumps(public_dump(cfg), indent=2))
         return 0
     from pipelines.ops.prefect_api import open_prefect_api
+    from tasks.common.ray_runtime import prepare_local_node
 
     open_prefect_api(cfg)  # before Prefect is imported: its home and API (docs/cli.md)
+    prepare_local_node(cfg.ray)  # the command daemon's Ray node starts meanwhile, if none runs
     commands: dict[str, Callable[[RunConfig], dict[str, dict[str, Any]]]] = {
         "ingest": _run_ingest,
         "tokenizer": _run_tokenizer,

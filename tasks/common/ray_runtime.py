@@ -238,6 +238,16 @@ def use_local_node(provider: Callable[[int, int], str | None]) -> None:
     _NODE_PROVIDER[:] = [provider]
 
 
+def prepare_local_node(cfg: RayConfig) -> None:
+    """Have the provided local node start now, if this command would join one (a no-op else).
+
+    A command calls this once its recipe is loaded: the node then starts while the command
+    sets up its Prefect API and flow, rather than when its first stage needs Ray.
+    """
+    if _NODE_PROVIDER and not cfg.address and not os.environ.get("RAY_ADDRESS"):
+        _NODE_PROVIDER[0](local_ray_cpus(cfg), cfg.object_store_mb)
+
+
 def local_node_command(
     num_cpus: int, object_store_mb: int, port: int, client_port: int, temp_dir: Path
 ) -> list[str]:

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from pipelines.cli import failures
-from pipelines.cli.failures import ExitCode, classify, report_failure, sigterm_raises
+from pipelines.cli.failures import ExitCode, classify, report_failure, signals_raise
 from pipelines.cli.keys import COMMAND_SECTIONS, describe
 from pipelines.cli.main import main
 from pipelines.cli.parser import join_nested
@@ -227,10 +227,33 @@ def send_sigterm_to_self() -> None:
 
 def test_sigterm_becomes_exit_143_and_the_handler_is_restored() -> None:
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(failures.Terminated) as stopped, sigterm_raises():
+    with pytest.raises(failures.Terminated) as stopped, signals_raise():
         send_sigterm_to_self()
     assert classify(stopped.value)[0] == ExitCode.TERMINATED
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_ctrl_c_that_a_library_turned_into_another_error_still_exits_130(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def crash_on_ctrl_c() -> None:
+        crashed = False
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # interrupted at once by the handler's exception
+        except KeyboardInterrupt:
+            crashed = True
+        if crashed:  # what a library may do with a run it saw crash: a new error, no chain
+            raise RuntimeError("Crashed")
+
+    before = len(failures.RECEIVED)
+    with pytest.raises(RuntimeError) as failed, signals_raise():
+        crash_on_ctrl_c()
+    assert classify(failed.value)[0] == ExitCode.FAILURE  # the exception alone says otherwise
+    code = report_failure(failed.value, False, signal_code=failures.signalled(before))
+    assert code == ExitCode.INTERRUPTED
+    assert "interrupted" in capsys.readouterr().err
+    assert failures.signalled(len(failures.RECEIVED)) is None  # nothing since
 
 
 def test_a_stage_stopped_by_rays_sigterm_handler_exits_143(

@@ -139,7 +139,8 @@ def test_a_command_ends_with_its_client(
         [sys.executable, "-m", "pipelines.daemon.client", "ingest", str(recipe), fresh],
         env=daemon_env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.monotonic() + 60
     while (running := status(daemon_env).get("commands", "[]")) == "[]":
@@ -148,7 +149,8 @@ def test_a_command_ends_with_its_client(
     child = int(running.strip("[]").split(",")[0])
     # Ctrl-C reaches the client only, which passes it on; a killed client's child gets SIGTERM.
     client.send_signal(signum)
-    assert client.wait(timeout=60) == client_exit
+    _, err = client.communicate(timeout=60)
+    assert client.returncode == client_exit, err
     deadline = time.monotonic() + 30
     while alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)

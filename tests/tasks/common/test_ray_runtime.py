@@ -190,3 +190,25 @@ def test_usable_cores_are_the_affinity_capped_by_the_quota(
     assert usable_cores() == cores
     assert local_ray_cpus(RayConfig(num_workers=2)) == max(2, cores) + 2
     assert local_ray_cpus(RayConfig(num_workers=2, num_cpus=3)) == 3
+
+
+def test_a_command_asks_the_provided_node_to_start_only_for_a_local_ray(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[tuple[int, int]] = []
+
+    def provider(num_cpus: int, object_store_mb: int) -> str:
+        asked.append((num_cpus, object_store_mb))
+        return "127.0.0.1:1"
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_runtime, "_NODE_PROVIDER", [])
+    ray_runtime.prepare_local_node(ray_runtime.RayConfig())  # no provider: nothing to ask
+    ray_runtime.use_local_node(provider)
+    cfg = ray_runtime.RayConfig(num_cpus=3, object_store_mb=512)
+    ray_runtime.prepare_local_node(cfg)
+    assert asked == [(3, 512)]  # the size `ensure_ray` would start a local Ray with
+    ray_runtime.prepare_local_node(ray_runtime.RayConfig(address="127.0.0.1:6379"))
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    ray_runtime.prepare_local_node(cfg)
+    assert asked == [(3, 512)]  # a configured cluster is joined as it is

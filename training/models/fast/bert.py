@@ -100,7 +100,9 @@ def _dropout(h: Tensor, p: float, training: bool) -> Tensor:
         return h
     if p >= 1.0:
         return h * 0.0
-    keep = (torch.rand_like(h) >= p) * (1.0 / (1.0 - p))  # 0 or 1 / (1 - p)
+    # In `h`'s dtype: a bool mask times a Python float is a float32 tensor, which would turn a
+    # bf16 activation into float32.
+    keep = (torch.rand_like(h) >= p).to(h.dtype) * (1.0 / (1.0 - p))  # 0 or 1 / (1 - p)
     return h * keep
 
 

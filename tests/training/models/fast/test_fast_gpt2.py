@@ -216,8 +216,18 @@ def _checkpointing(stock: tf.PreTrainedModel, fast: tf.PreTrainedModel) -> None:
         model.activation_checkpointing_enable()
 
 
+def _mark_as_zero3(weight: torch.nn.Parameter) -> None:
+    """Mark `weight` as ZeRO-3 marks its parameters (gathered: available)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    weight.ds_id = 0  # type: ignore[attr-defined]
+    # Once a ZeRO-3 engine has run in this process, DeepSpeed's linear (which replaces
+    # torch's) reads the status of every parameter marked so.
+    weight.ds_status = ZeroParamStatus.AVAILABLE  # type: ignore[attr-defined]
+
+
 def _zero3_partitioned(stock: tf.PreTrainedModel, fast: FastGPT2LMHeadModel) -> None:
-    fast.transformer.wte.weight.ds_id = 0  # what ZeRO-3 marks
+    _mark_as_zero3(fast.transformer.wte.weight)
 
 
 def _hooked(stock: tf.PreTrainedModel, fast: FastGPT2LMHeadModel) -> None:
