@@ -246,9 +246,15 @@ def test_a_ctrl_c_that_a_library_turned_into_another_error_still_exits_130(
         if crashed:  # what a library may do with a run it saw crash: a new error, no chain
             raise RuntimeError("Crashed")
 
+    # As in a terminal: Python's own SIGINT handler (a shell that started this process in the
+    # background had it ignore SIGINT, which the guard leaves so).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     before = len(failures.RECEIVED)
-    with pytest.raises(RuntimeError) as failed, signals_raise():
-        crash_on_ctrl_c()
+    try:
+        with pytest.raises(RuntimeError) as failed, signals_raise():
+            crash_on_ctrl_c()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert classify(failed.value)[0] == ExitCode.FAILURE  # the exception alone says otherwise
     code = report_failure(failed.value, False, signal_code=failures.signalled(before))
     assert code == ExitCode.INTERRUPTED
@@ -342,3 +348,13 @@ def test_the_default_schedules_built_unvalidated_are_valid() -> None:
     for schedule in DeploymentsConfig().schedules:
         dumped = json.loads(schedule.model_dump_json())
         assert ScheduleConfig.model_validate(dumped) == schedule
+
+
+def test_a_sigint_ignored_from_the_start_stays_ignored_under_the_guard() -> None:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `nohup` or `cmd &` leave it
+    try:
+        with signals_raise():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -21,6 +21,10 @@ from tasks.tokenizer.tokenizer import (
     to_transformers,
     train_tokenizer,
 )
+from tests.training.models.fast.fast_parity import (
+    assert_same_outputs_and_grads as assert_same_parity,
+)
+from tests.training.models.fast.fast_parity import stock_forward_calls
 from tests.training.pretrain.host_reads import count_host_reads
 from training.models.config import ModelConfig
 from training.models.export import DataRef, ModelCard, TokenizerRef, export_model
@@ -95,41 +99,24 @@ def encode(mask: Callable[[Tensor], Tensor | None], **kwargs: Any) -> Call:
     return call
 
 
-def outputs_and_grads(model: tf.BertForPreTraining, call: Call) -> tuple[list[Tensor], dict]:
-    """The encoder's outputs under `call`, and every parameter's gradient of a weighted sum."""
-    model.zero_grad(set_to_none=True)
-    out = call(model.bert, batch())
-    tensors = [out[0], out[1]]  # last hidden state, pooled output (a dataclass or a tuple)
-    rng = torch.Generator().manual_seed(1)
-    loss = sum((t * torch.randn(t.shape, generator=rng)).mean() for t in tensors)
-    loss.backward()  # type: ignore[union-attr]
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return [t.detach() for t in tensors], grads
+def encoder_outputs(call: Call) -> Callable[[Any], list[Tensor]]:
+    """The encoder's last hidden state and pooled output under `call` (a dataclass or a tuple)."""
+
+    def outputs(model: Any) -> list[Tensor]:
+        out = call(model.bert, batch())
+        return [out[0], out[1]]
+
+    return outputs
 
 
 def assert_same_outputs_and_grads(stock: tf.BertForPreTraining, fast: Any, call: Call) -> None:
-    expected, expected_grads = outputs_and_grads(stock, call)
-    got, got_grads = outputs_and_grads(fast, call)
-    for e, g in zip(expected, got, strict=True):
-        torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
-    assert got_grads.keys() == expected_grads.keys()
-    for name, grad in expected_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert_same_parity(stock, fast, encoder_outputs(call))
 
 
 @pytest.fixture
 def stock_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The calls a FastBertModel passes on to the stock forward (its fallback)."""
-    calls: list[str] = []
-    original = tf.BertModel.forward
-
-    def spy(self: tf.BertModel, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(self, FastBertModel):
-            calls.append("stock")
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(tf.BertModel, "forward", spy)
-    return calls
+    return stock_forward_calls(monkeypatch, tf.BertModel, FastBertModel)
 
 
 def test_fast_bert_starts_from_the_stock_weights_under_the_same_seed() -> None:

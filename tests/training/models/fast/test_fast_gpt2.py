@@ -21,6 +21,10 @@ from tasks.tokenizer.tokenizer import (
     to_transformers,
     train_tokenizer,
 )
+from tests.training.models.fast.fast_parity import (
+    assert_same_outputs_and_grads as assert_same_parity,
+)
+from tests.training.models.fast.fast_parity import stock_forward_calls
 from tests.training.pretrain.host_reads import count_host_reads
 from training.models.attention import DOCUMENT_FLEX, register_document_flex
 from training.models.config import ModelConfig
@@ -99,38 +103,19 @@ def lm_call(mask: str = "none", positions: str = "none", **kwargs: Any) -> Call:
     return call
 
 
-def outputs_and_grads(model: tf.GPT2LMHeadModel, call: Call) -> tuple[Tensor, dict]:
-    """The logits under `call`, and every parameter's gradient of a weighted sum of them."""
-    model.zero_grad(set_to_none=True)
-    logits = call(model, batch())[0]  # a dataclass or a tuple: the logits first
-    rng = torch.Generator().manual_seed(1)
-    (logits * torch.randn(logits.shape, generator=rng)).mean().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach(), grads
+def logits_of(call: Call) -> Callable[[Any], list[Tensor]]:
+    """The logits under `call` (a dataclass or a tuple: the logits first)."""
+    return lambda model: [call(model, batch())[0]]
 
 
 def assert_same_outputs_and_grads(stock: tf.GPT2LMHeadModel, fast: Any, call: Call) -> None:
-    expected, expected_grads = outputs_and_grads(stock, call)
-    got, got_grads = outputs_and_grads(fast, call)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    assert got_grads.keys() == expected_grads.keys()
-    for name, grad in expected_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=1e-5, msg=name)
+    assert_same_parity(stock, fast, logits_of(call))
 
 
 @pytest.fixture
 def stock_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The calls a FastGPT2LMHeadModel passes on to the stock forward (its fallback)."""
-    calls: list[str] = []
-    original = tf.GPT2LMHeadModel.forward
-
-    def spy(self: tf.GPT2LMHeadModel, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(self, FastGPT2LMHeadModel):
-            calls.append("stock")
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(tf.GPT2LMHeadModel, "forward", spy)
-    return calls
+    return stock_forward_calls(monkeypatch, tf.GPT2LMHeadModel, FastGPT2LMHeadModel)
 
 
 def test_fast_gpt2_starts_from_the_stock_weights_under_the_same_seed() -> None:
