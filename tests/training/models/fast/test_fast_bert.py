@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,6 @@ from torch import Tensor
 from tasks.common import schema
 from tasks.tokenizer.tokenizer import (
     TokenizerConfig,
-    padded_vocab_size,
     to_transformers,
     train_tokenizer,
 )
@@ -27,7 +25,6 @@ from tests.training.models.fast.fast_parity import (
 from tests.training.models.fast.fast_parity import stock_forward_calls
 from tests.training.pretrain.host_reads import count_host_reads
 from training.models.config import ModelConfig
-from training.models.export import DataRef, ModelCard, TokenizerRef, export_model
 from training.models.fast import as_stock
 from training.models.fast.bert import FastBertForPreTraining, FastBertModel, _dropout
 from training.models.models import build_model
@@ -313,39 +310,3 @@ def test_build_model_trains_the_fast_class_unless_asked_for_transformers() -> No
     assert type(fast) is FastBertForPreTraining
     assert type(stock) is tf.BertForPreTraining
     assert type(as_stock(fast)) is tf.BertForPreTraining
-
-
-def test_an_export_of_the_fast_class_is_the_stock_class_with_the_same_logits(
-    tokenizer_dir: Path, tmp_path: Path
-) -> None:
-    tok = tf.AutoTokenizer.from_pretrained(tokenizer_dir)
-    specials = {"pad": tok.pad_token_id, "cls": tok.cls_token_id, "sep": tok.sep_token_id}
-    specials |= {"mask": tok.mask_token_id, "vocab_size": len(tok)}
-    cfg = TokenizerConfig(family="wordpiece", vocab_size=120, min_frequency=1)
-    rows = padded_vocab_size(tok.backend_tokenizer, cfg)
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(family="bert"), "bert", rows, specials, 64)
-    assert isinstance(model, FastBertForPreTraining)
-    card = ModelCard(
-        family="bert",
-        size="tiny",
-        parameters=model.num_parameters(),
-        objective="mlm+nsp",
-        steps=0,
-        tokens_seen=0,
-        data=DataRef(path="examples/manifest.json", fingerprint="ex"),
-        tokenizer=TokenizerRef(fingerprint="tok", family="wordpiece", vocab_size=len(tok)),
-        git_commit="0",
-    )
-    out = export_model(model, tokenizer_dir, tmp_path / "bert", card)
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForPreTraining"]
-    loaded = tf.AutoModelForPreTraining.from_pretrained(out, local_files_only=True).eval()
-    assert type(loaded) is tf.BertForPreTraining
-    ids = torch.randint(5, len(tok), (2, 24))
-    mask = torch.ones_like(ids)
-    mask[1, 15:] = 0
-    args = {"input_ids": ids, "attention_mask": mask, "token_type_ids": (ids * 0).long()}
-    with torch.no_grad():
-        trained, exported = model.eval()(**args), loaded(**args)
-    for key in ("prediction_logits", "seq_relationship_logits"):
-        torch.testing.assert_close(exported[key], trained[key], rtol=0, atol=1e-5)

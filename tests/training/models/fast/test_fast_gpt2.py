@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,6 @@ from torch import Tensor
 from tasks.common import schema
 from tasks.tokenizer.tokenizer import (
     TokenizerConfig,
-    padded_vocab_size,
     to_transformers,
     train_tokenizer,
 )
@@ -28,7 +26,6 @@ from tests.training.models.fast.fast_parity import stock_forward_calls
 from tests.training.pretrain.host_reads import count_host_reads
 from training.models.attention import DOCUMENT_FLEX, register_document_flex
 from training.models.config import ModelConfig
-from training.models.export import DataRef, ModelCard, TokenizerRef, export_model
 from training.models.fast import as_stock
 from training.models.fast.gpt2 import FastGPT2LMHeadModel, packed_sequence_mask
 from training.models.models import build_model
@@ -350,37 +347,3 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tok")
     to_transformers(train_tokenizer(texts, cfg), cfg).save_pretrained(out)
     return out
-
-
-def test_an_export_of_the_fast_class_is_the_stock_class_with_the_same_logits(
-    tokenizer_dir: Path, tmp_path: Path
-) -> None:
-    tok = tf.AutoTokenizer.from_pretrained(tokenizer_dir)
-    specials = {"pad": tok.pad_token_id, "eos": tok.eos_token_id, "vocab_size": len(tok)}
-    rows = padded_vocab_size(
-        tok.backend_tokenizer, TokenizerConfig(family="bpe", vocab_size=320, min_frequency=1)
-    )
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(family="gpt2"), "causal", rows, specials, 64)
-    assert isinstance(model, FastGPT2LMHeadModel)
-    card = ModelCard(
-        family="gpt2",
-        size="tiny",
-        parameters=model.num_parameters(),
-        objective="clm",
-        steps=0,
-        tokens_seen=0,
-        data=DataRef(path="examples/manifest.json", fingerprint="ex"),
-        tokenizer=TokenizerRef(fingerprint="tok", family="bpe", vocab_size=len(tok)),
-        git_commit="0",
-    )
-    out = export_model(model, tokenizer_dir, tmp_path / "gpt2", card)
-    assert json.loads((out / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
-    loaded = tf.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
-    assert type(loaded) is tf.GPT2LMHeadModel
-    ids = torch.randint(5, len(tok), (2, 24))
-    with torch.no_grad():
-        trained = model.eval()(input_ids=ids, use_cache=False).logits  # the fast path
-        exported = loaded(input_ids=ids).logits
-    assert exported.dtype == torch.float32
-    torch.testing.assert_close(exported, trained, rtol=0, atol=1e-5)
