@@ -148,9 +148,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     from pipelines.ops.prefect_api import open_prefect_api
     from tasks.common.ray_runtime import prepare_local_node
+    from tasks.ingest.sources import local_corpus_bytes
 
     open_prefect_api(cfg)  # before Prefect is imported: its home and API (docs/cli.md)
-    prepare_local_node(cfg.ray)  # the command daemon's Ray node starts meanwhile, if none runs
+    # The command daemon's Ray node starts meanwhile, if none runs and the corpus is not so
+    # small that the stages stay in this process.
+    limit = int(cfg.ray.local_max_mb * (1 << 20))
+    sources = cfg.ingest.sources if cfg.ingest is not None else []
+    prepare_local_node(cfg.ray, local_corpus_bytes(sources, limit))
     commands: dict[str, Callable[[RunConfig], dict[str, dict[str, Any]]]] = {
         "ingest": _run_ingest,
         "tokenizer": _run_tokenizer,

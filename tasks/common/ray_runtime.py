@@ -51,6 +51,19 @@ class RayConfig(BaseModel):
         description="All nodes see the workspace path (e.g. NFS, or all nodes on one host); "
         "without it a local workspace path on a multi-node cluster is refused.",
     )
+    local_max_mb: float = Field(
+        8.0,
+        ge=0,
+        description="A data stage whose input is at most this many MiB runs its work units in "
+        "the command's own process when no Ray is connected or configured (address, "
+        "RAY_ADDRESS): starting or joining Ray and warming its workers costs seconds, more "
+        "than such a stage's work. 0 sends every stage of more than one unit to Ray.",
+    )
+
+    def runs_locally(self, input_bytes: int | None) -> bool:
+        """Whether a stage reading `input_bytes` (None: unknown) stays out of Ray's way."""
+        limit = self.local_max_mb * (1 << 20)
+        return input_bytes is not None and limit > 0 and input_bytes <= limit
 
 
 class StorageError(RuntimeError):
@@ -238,12 +251,18 @@ def use_local_node(provider: Callable[[int, int], str | None]) -> None:
     _NODE_PROVIDER[:] = [provider]
 
 
-def prepare_local_node(cfg: RayConfig) -> None:
+def prepare_local_node(cfg: RayConfig, input_bytes: int | None = None) -> None:
     """Have the provided local node start now, if this command would join one (a no-op else).
 
-    A command calls this once its recipe is loaded: the node then starts while the command
-    sets up its Prefect API and flow, rather than when its first stage needs Ray.
+    A command calls this once its recipe is loaded, with the size of its corpus (None when
+    unknown, e.g. remote): the node then starts while the command sets up its Prefect API and
+    flow, rather than when its first stage needs Ray. A corpus small enough that its stages
+    run in the command's process (`RayConfig.runs_locally`) starts none: on a small machine a
+    booting node takes the cores the command's own work needs, and whatever needs Ray later
+    (a multi-worker training) asks for the node then.
     """
+    if cfg.runs_locally(input_bytes):
+        return
     if _NODE_PROVIDER and not cfg.address and not os.environ.get("RAY_ADDRESS"):
         _NODE_PROVIDER[0](local_ray_cpus(cfg), cfg.object_store_mb)
 
@@ -379,16 +398,19 @@ def run_units(
     ray_cfg: RayConfig,
     on_done: Callable[[int, T], None] | None = None,
     sizes: Sequence[int] | None = None,
+    input_bytes: int | None = None,
 ) -> list[T]:
     """Run a stage's `fn(item)` for every work unit; results in input order.
 
-    On Ray (`ensure_ray`, then `map_bounded` with `ray_cfg.num_workers` in flight), except a
-    job of one unit with no Ray connected or configured (`ray.address`, `RAY_ADDRESS`): that
-    one runs here, since starting a local Ray (several seconds) would cost more than the unit.
+    On Ray (`ensure_ray`, then `map_bounded` with `ray_cfg.num_workers` in flight), except,
+    with no Ray connected or configured (`ray.address`, `RAY_ADDRESS`), a job of one unit or
+    one whose input is small (`input_bytes` within `ray.local_max_mb`): that runs here, since
+    starting or joining Ray and warming its workers (seconds) would cost more than the work.
     """
     connected = "ray" in sys.modules and sys.modules["ray"].is_initialized()
     cluster = ray_cfg.address is not None or bool(os.environ.get("RAY_ADDRESS"))
-    if len(items) <= 1 and not connected and not cluster:
+    small = len(items) <= 1 or ray_cfg.runs_locally(input_bytes)
+    if small and not connected and not cluster:
         results = []
         for index, item in enumerate(items):
             results.append(fn(item))

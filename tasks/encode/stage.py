@@ -94,7 +94,8 @@ def run_encode(
     jobs = encode_jobs(cfg, (ingest_dir, out.path, staging, tok_file), parts, ids, unknown_id(tok))
     tick = ticker(progress, "encode", len(jobs))
     sizes = [job.stop - job.start for job in jobs]
-    results = run_units(encode_shard, jobs, ray_cfg, on_done=tick, sizes=sizes)
+    read = sum(int(shard["bytes"]) for _, shard in shards_of(ingest))
+    results = run_units(encode_shard, jobs, ray_cfg, on_done=tick, sizes=sizes, input_bytes=read)
     splits, total = split_entries(list(ingest["splits"]), parts, results)
     plot_histogram(total, out.path / HISTOGRAM_PNG)
     manifest = {

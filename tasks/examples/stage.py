@@ -159,7 +159,8 @@ def run_examples(
     first = ShardContext(seed, 0, 0, specials, ids_type, words, random_ids)
     jobs, where, sizes = example_jobs(cfg, first, encode, encode_dir, out.path, staging)
     tick = ticker(build.progress, "examples", len(jobs))
-    results = run_units(examples_shard, jobs, ray_cfg, on_done=tick, sizes=sizes)
+    read = sum(int(shard["bytes"]) for shard in used)
+    results = run_units(examples_shard, jobs, ray_cfg, on_done=tick, sizes=sizes, input_bytes=read)
     splits = split_entries(cfg, where, results)
     manifest = {
         **out.header(),

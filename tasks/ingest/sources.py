@@ -13,7 +13,7 @@ import json
 import lzma
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import IO, Any, Literal
@@ -179,6 +179,50 @@ def expand_source(source: SourceConfig, index: int) -> list[InputFile]:
     for file in files:
         check_text_column(file, source)
     return files
+
+
+#: How much larger than its stored bytes a compressed input counts where a stage weighs its
+#: work (`work_bytes`): text compresses about 3-4x, and the work is on the decompressed text.
+COMPRESSED_WEIGHT = 4
+
+
+def work_bytes(size: int, name: str) -> int:
+    """The bytes of text a stored input of `size` bytes named `name` holds, about."""
+    compressed = _split_compression(name.lower())[1] is not None
+    return size * (COMPRESSED_WEIGHT if compressed else 1)
+
+
+def local_corpus_bytes(sources: list[SourceConfig], stop_above: int) -> int | None:
+    """The bytes of text the sources hold, when every one is a local path; None otherwise.
+
+    With the standard library only, no file opened: what a command weighs before its stages
+    run (`RayConfig.runs_locally`). Counting stops once the total passes `stop_above` (a large
+    tree is not walked to the end). A remote source, or a path that matches nothing, gives
+    None: the stage itself resolves it, with its own errors.
+    """
+    import glob
+    import os
+
+    total = 0
+    for source in sources:
+        if "://" in source.path and not source.path.startswith("file://"):
+            return None
+        root = source.path.removeprefix("file://")
+        paths: Iterable[str]
+        if any(ch in root for ch in "*?["):
+            paths = glob.glob(root, recursive=True)
+        elif os.path.isdir(root):
+            paths = (os.path.join(d, f) for d, _, names in os.walk(root) for f in names)
+        elif os.path.isfile(root):
+            paths = [root]
+        else:
+            return None
+        for path in paths:
+            if os.path.isfile(path):
+                total += work_bytes(os.path.getsize(path), path)
+            if total > stop_above:
+                return total
+    return total
 
 
 def check_text_column(file: InputFile, source: SourceConfig) -> None:

@@ -54,7 +54,7 @@ from tasks.ingest.output import (
     write_quarantine,
 )
 from tasks.ingest.readers import plan_units
-from tasks.ingest.sources import InputFile, WorkUnit, expand_source
+from tasks.ingest.sources import InputFile, WorkUnit, expand_source, work_bytes
 from tasks.ingest.text import resolve_splitter
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,14 @@ def _read_units(
         [UnitJob(u, cfg, str(staging), storage[u.file.source]) for u in units],
         ray_cfg,
         on_done=tick,
+        input_bytes=_input_bytes(units),
     )
+
+
+def _input_bytes(units: list[WorkUnit]) -> int:
+    """The bytes of text `units` read: each input file once (`work_bytes`)."""
+    files = {u.file.uri: u.file for u in units}
+    return sum(work_bytes(f.size, f.uri) for f in files.values())
 
 
 def _complete(out: Path, manifest: dict[str, Any]) -> bool:
@@ -281,7 +288,7 @@ def _finish(
     generation = (base["generation"] + 1) if base else 0
     jobs, names = shard_jobs(out, units, summaries, keys, dedup.keep, cfg, generation)
     tick = ticker(progress, "write", len(jobs))
-    written = run_units(write_shard, jobs, ray_cfg, on_done=tick)
+    written = run_units(write_shard, jobs, ray_cfg, on_done=tick, input_bytes=_input_bytes(units))
     return {
         "generation": generation,
         "extends": base["fingerprint"] if base else None,

@@ -231,7 +231,10 @@ def driver_pids(address: str, env: dict[str, str]) -> set[int]:
 def test_commands_join_the_daemons_ray_node_which_stops_with_it(
     daemon_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """Stage commands join one local Ray node the daemon keeps, bound to loopback only."""
+    """Stage commands join one local Ray node the daemon keeps, bound to loopback only.
+
+    A corpus within `ray.local_max_mb` is ingested in the command's process: no node starts.
+    """
     sources = []
     for part in range(2):  # two files: two work units, so ingestion runs on Ray
         corpus = tmp_path / f"part{part}.txt"
@@ -239,8 +242,12 @@ def test_commands_join_the_daemons_ray_node_which_stops_with_it(
         sources.append(f"{{path: {corpus}, format: txt}}")
     recipe = tmp_path / "ray.yaml"
     recipe.write_text(f"name: ray\ningest: {{sources: [{', '.join(sources)}]}}\n")
-    for workspace in ("a", "b"):
-        done = lmpipe(daemon_env, "ingest", str(recipe), f"workspace={tmp_path / workspace}")
+    done = lmpipe(daemon_env, "ingest", str(recipe), f"workspace={tmp_path / 'small'}")
+    assert done.returncode == 0, done.stderr
+    assert ast.literal_eval(status(daemon_env)["ray_nodes"]) == {}  # small: no Ray at all
+    for workspace in ("a", "b"):  # the same corpus, sent to Ray
+        where = f"workspace={tmp_path / workspace}"
+        done = lmpipe(daemon_env, "ingest", str(recipe), where, "ray.local_max_mb=0")
         assert done.returncode == 0, done.stderr
     nodes = ast.literal_eval(status(daemon_env)["ray_nodes"])  # {address: pid}
     assert len(nodes) == 1, nodes

@@ -154,7 +154,13 @@ def test_one_work_unit_runs_here_without_starting_ray(monkeypatch: pytest.Monkey
     assert done == [(0, 49)]
     assert run_units(_square, [], local) == []
     with pytest.raises(AssertionError, match=r"ray.init was called"):
-        run_units(_square, [1, 2], local)  # two units: worth Ray's workers
+        run_units(_square, [1, 2], local)  # two units of unknown size: worth Ray's workers
+    small = 8 << 20  # `ray.local_max_mb`'s default
+    assert run_units(_square, [1, 2], local, input_bytes=small) == [1, 4]  # a small input
+    with pytest.raises(AssertionError, match=r"ray.init was called"):
+        run_units(_square, [1, 2], local, input_bytes=small + 1)
+    with pytest.raises(AssertionError, match=r"ray.init was called"):
+        run_units(_square, [1, 2], RayConfig(local_max_mb=0), input_bytes=0)  # 0: always Ray
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     with pytest.raises(AssertionError, match=r"ray.init was called"):
         run_units(_square, [1], local)  # a cluster is configured: the work goes there
@@ -208,6 +214,11 @@ def test_a_command_asks_the_provided_node_to_start_only_for_a_local_ray(
     cfg = ray_runtime.RayConfig(num_cpus=3, object_store_mb=512)
     ray_runtime.prepare_local_node(cfg)
     assert asked == [(3, 512)]  # the size `ensure_ray` would start a local Ray with
+    ray_runtime.prepare_local_node(cfg, 8 << 20)  # a corpus the stages keep in the command
+    assert asked == [(3, 512)]
+    ray_runtime.prepare_local_node(cfg, (8 << 20) + 1)
+    assert asked == [(3, 512)] * 2
+    asked.pop()
     ray_runtime.prepare_local_node(ray_runtime.RayConfig(address="127.0.0.1:6379"))
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     ray_runtime.prepare_local_node(cfg)
