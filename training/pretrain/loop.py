@@ -77,6 +77,9 @@ class Worker:
         self.train_loss = train_loss(self._forward, self.cfg, self.engine)
         self.step, self.cursor, self.tokens_seen = 0, Cursor(), 0
         self.batches = Prefetcher(self._plan, parts.prefetch)
+        # What the loop clips, listed once: `Module.parameters()` walks the module tree, a
+        # measurable cost at every step of a small model.
+        self.trainable = [p for p in self.engine.module.parameters() if p.requires_grad]
 
     def _forward(self, batch: dict[str, torch.Tensor], sparse_mlm: bool) -> StepOutput:
         """The model's forward pass and loss on one micro-batch (what `compile` compiles)."""
@@ -228,7 +231,7 @@ class Worker:
         self.optimizer.found_inf = skip.float().reshape(())
         grad_norm = None
         if self.clip > 0:  # where the engine does not clip (ZeRO 0): torch's foreach kernels
-            params = [p for p in self.engine.module.parameters() if p.grad is not None]
+            params = [p for p in self.trainable if p.grad is not None]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True)
         if self.direct:
             self.optimizer.step()

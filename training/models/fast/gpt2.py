@@ -17,7 +17,6 @@ export (`as_stock`).
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, cast
 
 import torch
@@ -131,7 +130,8 @@ def _hooked(model: nn.Module) -> bool:
     """Whether a forward or backward hook is registered on a submodule of `model`, or globally.
 
     The model's own hooks (DeepSpeed's engine puts some on it) fire around this forward as
-    they do around the stock one; a submodule's would not.
+    they do around the stock one; a submodule's would not. Asked at every forward, so the walk
+    is a plain recursion over `_modules` (`Module.modules()`'s generators cost ten times more).
     """
     if (
         torch_module._global_forward_hooks
@@ -140,10 +140,20 @@ def _hooked(model: nn.Module) -> bool:
         or torch_module._global_backward_pre_hooks
     ):
         return True
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-        for m in itertools.islice(model.modules(), 1, None)  # modules() yields `model` first
-    )
+    return _submodule_hooked(model)
+
+
+def _submodule_hooked(module: nn.Module) -> bool:
+    for child in module._modules.values():
+        if child is not None and (
+            child._forward_hooks
+            or child._forward_pre_hooks
+            or child._backward_hooks
+            or child._backward_pre_hooks
+            or _submodule_hooked(child)
+        ):
+            return True
+    return False
 
 
 def causal_lm_logits(
