@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -53,6 +54,20 @@ def _stop_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def node_temp_dir(key: str) -> Path:
+    """The temporary folder of the daemon `key`'s nodes (Ray's sessions, sockets and logs)."""
+    return Path(tempfile.gettempdir()) / f"lmpipe-ray-{os.getuid()}-{key}"
+
+
+def remove_node_temp_dir(key: str) -> None:
+    """Delete the daemon `key`'s node folder once its nodes are stopped (`stop_node`).
+
+    Each daemon key (each edit of lmpipe's code makes a new one) would otherwise leave its
+    folder behind; a node's own output stays in `<cache>/daemon/ray-PORT.log`.
+    """
+    shutil.rmtree(node_temp_dir(key), ignore_errors=True)
+
+
 def start_node(
     num_cpus: int, object_store_mb: int, env: dict[str, str], log_dir: Path, key: str
 ) -> RayNode:
@@ -64,8 +79,7 @@ def start_node(
     from tasks.common.ray_runtime import local_node_command, local_node_env
 
     port = _free_port()
-    temp_dir = Path(tempfile.gettempdir()) / f"lmpipe-ray-{os.getuid()}-{key}"
-    args = local_node_command(num_cpus, object_store_mb, port, _free_port(), temp_dir)
+    args = local_node_command(num_cpus, object_store_mb, port, _free_port(), node_temp_dir(key))
     code = "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"
     with open(log_dir / f"ray-{port}.log", "ab") as out:
         started = subprocess.Popen(

@@ -52,7 +52,7 @@ from pipelines.daemon.child import (
     detach,
     serve_prefect_api,
 )
-from pipelines.daemon.ray_node import RayNode, start_node, stop_node
+from pipelines.daemon.ray_node import RayNode, remove_node_temp_dir, start_node, stop_node
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,7 @@ class Daemon:
         self._stop_apis()
         for node in self.nodes.values():
             stop_node(node)
+        remove_node_temp_dir(self.key)
         log.info("daemon %s exits", self.key)
         return None
 

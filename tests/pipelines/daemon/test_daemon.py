@@ -265,8 +265,18 @@ def test_commands_join_the_daemons_ray_node_which_stops_with_it(
     assert listening
     assert all(loopback(ip) for ip in listening), listening
 
+    (temp_dir,) = [
+        Path(arg.split("=", 1)[1])
+        for arg in psutil.Process(pid).cmdline()
+        if arg.startswith("--temp-dir=")
+    ]
+    assert temp_dir.is_dir()
+
     assert lmpipe(daemon_env, "daemon", "stop").returncode == 0
     deadline = time.monotonic() + 60
     while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes):
         assert time.monotonic() < deadline, [p for p in processes if p.is_running()]
+        time.sleep(0.2)
+    while temp_dir.exists():  # the daemon deletes its nodes' folder once they are stopped
+        assert time.monotonic() < deadline, sorted(temp_dir.iterdir())
         time.sleep(0.2)
