@@ -13,7 +13,7 @@ import json
 import lzma
 import re
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import IO, Any, Literal
@@ -143,6 +143,37 @@ def _is_hf_disk(fs: Any, path: str) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class _Matched:
+    """What a source's path matches: sorted paths under `base`, or one saved dataset folder."""
+
+    fs: Any
+    protocol: str
+    paths: list[str]
+    base: str
+    saved_dataset: bool = False  # `base` is a dataset saved by `save_to_disk`
+
+
+def _source_paths(source: SourceConfig) -> _Matched | None:
+    """The paths `source` matches on its filesystem; None if it matches nothing."""
+    fs, root = url_to_fs(source.path, **source.fs_options())
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if source.format == "hf_disk" or (source.format == "auto" and _is_hf_disk(fs, root)):
+        return _Matched(fs, protocol, [], root, saved_dataset=True)
+    if any(ch in source.path for ch in "*?["):
+        paths = sorted(p for p in fs.glob(root) if fs.isfile(p))
+        return _Matched(fs, protocol, paths, root.split("*")[0].rsplit("/", 1)[0])
+    if fs.isdir(root):
+        return _Matched(fs, protocol, sorted(fs.find(root)), root)
+    if fs.isfile(root):
+        return _Matched(fs, protocol, [root], str(PurePosixPath(root).parent))
+    return None
+
+
+def _is_local(protocol: str) -> bool:
+    return protocol in ("file", "local")
+
+
 def expand_source(source: SourceConfig, index: int) -> list[InputFile]:
     """Resolve a source into its input files, sorted by path.
 
@@ -150,23 +181,15 @@ def expand_source(source: SourceConfig, index: int) -> list[InputFile]:
         InputError: the path matches nothing, a file is unreadable, or no file has a known format.
     """
     where = f"ingest.sources[{index}].path"
-    fs, root = url_to_fs(source.path, **source.fs_options())
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    unstrip = (lambda p: p) if protocol in ("file", "local") else (lambda p: f"{protocol}://{p}")
-    if source.format == "hf_disk" or (source.format == "auto" and _is_hf_disk(fs, root)):
-        return [_input(source, fs, unstrip(root), PurePosixPath(root).name, "hf_disk")]
-    if any(ch in source.path for ch in "*?["):
-        paths = sorted(p for p in fs.glob(root) if fs.isfile(p))
-        base = root.split("*")[0].rsplit("/", 1)[0]
-    elif fs.isdir(root):
-        paths = sorted(fs.find(root))
-        base = root
-    elif fs.isfile(root):
-        paths, base = [root], str(PurePosixPath(root).parent)
-    else:
+    matched = _source_paths(source)
+    if matched is None:
         raise InputError(f"{where}: {source.path!r} does not exist")
+    fs, protocol, base = matched.fs, matched.protocol, matched.base
+    unstrip = (lambda p: p) if _is_local(protocol) else (lambda p: f"{protocol}://{p}")
+    if matched.saved_dataset:
+        return [_input(source, fs, unstrip(base), PurePosixPath(base).name, "hf_disk")]
     files = []
-    for path in paths:
+    for path in matched.paths:
         fmt = _infer_format(source, path)
         if fmt is None:
             continue  # a directory may hold READMEs, licenses and the like in unknown formats
@@ -193,33 +216,25 @@ def work_bytes(size: int, name: str) -> int:
 
 
 def local_corpus_bytes(sources: list[SourceConfig], stop_above: int) -> int | None:
-    """The bytes of text the sources hold, when every one is a local path; None otherwise.
+    """The bytes of text the sources hold, when every one is local; None otherwise.
 
-    With the standard library only, no file opened: what a command weighs before its stages
-    run (`RayConfig.runs_locally`). Counting stops once the total passes `stop_above` (a large
-    tree is not walked to the end). A remote source, or a path that matches nothing, gives
-    None: the stage itself resolves it, with its own errors.
+    The files `expand_source` would read (the same matching and formats), sized without being
+    opened: what a command weighs before its stages run (`RayConfig.runs_locally`). Sizing
+    stops once the total passes `stop_above`. A remote source, or a path that matches nothing,
+    gives None: the stage itself resolves it, with its own errors.
     """
-    import glob
-    import os
-
     total = 0
     for source in sources:
         if "://" in source.path and not source.path.startswith("file://"):
+            return None  # asked before its filesystem is even imported: no network here
+        matched = _source_paths(source)
+        if matched is None or not _is_local(matched.protocol):
             return None
-        root = source.path.removeprefix("file://")
-        paths: Iterable[str]
-        if any(ch in root for ch in "*?["):
-            paths = glob.glob(root, recursive=True)
-        elif os.path.isdir(root):
-            paths = (os.path.join(d, f) for d, _, names in os.walk(root) for f in names)
-        elif os.path.isfile(root):
-            paths = [root]
-        else:
-            return None
-        for path in paths:
-            if os.path.isfile(path):
-                total += work_bytes(os.path.getsize(path), path)
+        if matched.saved_dataset:
+            total += int(matched.fs.du(matched.base))
+        for path in matched.paths:
+            if _infer_format(source, path) is not None:
+                total += work_bytes(int(matched.fs.size(path)), path)
             if total > stop_above:
                 return total
     return total
