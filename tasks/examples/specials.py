@@ -57,10 +57,11 @@ def objective_specials(
     if objective == "span_corruption" and sentinel_top is None:
         missing.append("sentinels <extra_id_0>...")
     if missing:
+        style = f" ({tok_cfg.bpe_style} style)" if tok_cfg.family == "bpe" else ""
         raise ObjectiveMismatchError(
-            f"examples.objective={objective} needs {missing}, which a {tok_cfg.family} "
-            f"tokenizer ({tok_cfg.bpe_style if tok_cfg.family == 'bpe' else 'default'} style) "
-            "does not have; use " + _USE.get(objective, "wordpiece")
+            f"examples.objective={objective} needs {missing}, which a tokenizer.family="
+            f"{tok_cfg.family} tokenizer{style} does not have; use "
+            + _USE.get(objective, "tokenizer.family=wordpiece")
         )
     pad = role.get("pad")
     if pad is None:

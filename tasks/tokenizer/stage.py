@@ -206,9 +206,10 @@ def vocabulary_shortfall(cfg: TokenizerConfig, reached: int) -> str | None:
     """What to warn when a trained vocabulary is smaller than `tokenizer.vocab_size`, else None.
 
     A trainer stops when the text has no more pieces that occur `min_frequency` times: the
-    model is then built for the size reached, not the size asked for.
+    model is then built for the size reached, not the size asked for. A char vocabulary is the
+    text's alphabet, `vocab_size` only its cap (256 for a few dozen characters): never short.
     """
-    if cfg.pretrained is not None or reached >= cfg.vocab_size:
+    if cfg.pretrained is not None or cfg.family == "char" or reached >= cfg.vocab_size:
         return None
     return (
         f"tokenizer.vocab_size {cfg.vocab_size:,} asked, {reached:,} reached: the training text "

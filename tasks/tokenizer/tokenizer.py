@@ -1,4 +1,4 @@
-"""Tokenizers of the three families: build, train, load your own, and wrap for transformers.
+"""Tokenizers of the four families: build, train, load your own, and wrap for transformers.
 
 - WordPiece (BERT): `[PAD] [UNK] [CLS] [SEP] [MASK]`, BERT normalisation, `##` continuation,
   `[CLS] A [SEP] B [SEP]` with token type ids.
@@ -6,6 +6,8 @@
   (`<s> <pad> </s> <unk> <mask>`, `<s> A </s></s> B </s>`).
 - Unigram (T5, SentencePiece-style `▁`): `<pad>=0 </s>=1 <unk>=2`, and 100 sentinels at the top
   of the vocabulary, counted down: `<extra_id_0>` has the highest id.
+- Character level (nanoGPT's shakespeare_char): one token per code point, `<|endoftext|>=0
+  <unk>=1`, then the characters seen, most frequent first (`tasks/tokenizer/char.py`).
 
 Pure functions over texts and files: no Ray, Prefect or MLflow here.
 """
@@ -26,13 +28,15 @@ from sentencepiece import sentencepiece_model_pb2
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import trainers as tk_trainers
 
+from tasks.tokenizer.char import CHAR_SPECIALS, char_model, char_pipeline, char_trainer
 from tasks.tokenizer.language_sampling import LanguageSamplingConfig
+from tasks.tokenizer.pretrained import PretrainedFiles as PretrainedFiles
 from tasks.tokenizer.wordpiece import train_wordpiece
 
 if TYPE_CHECKING:  # imported where used: `TokenizerConfig` validates without transformers
     from transformers import PreTrainedTokenizerFast
 
-Family = Literal["wordpiece", "bpe", "unigram"]
+Family = Literal["wordpiece", "bpe", "unigram", "char"]
 #: Training texts: strings or batches of strings, or a function that returns them afresh (a
 #: trainer that reads the corpus twice calls it twice; a one-shot iterator is kept in memory).
 Texts = Iterable[str] | Iterable[list[str]]
@@ -53,48 +57,22 @@ ROBERTA_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 T5_SPECIALS = ["<pad>", "</s>", "<unk>"]
 
 
-class PretrainedFiles(BaseModel):
-    """Bring your own tokenizer instead of training one (local files only)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    tokenizer_json: str | None = Field(None, description="A `tokenizers` tokenizer.json.")
-    vocab_txt: str | None = Field(None, description="A BERT WordPiece vocab.txt.")
-    vocab_json: str | None = Field(None, description="GPT-2 vocab.json / encoder.json.")
-    merges: str | None = Field(None, description="GPT-2 merges.txt / vocab.bpe.")
-    spm_model: str | None = Field(
-        None, description="A SentencePiece Unigram model (T5's spiece.model), converted."
-    )
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> PretrainedFiles:
-        kinds = [
-            self.tokenizer_json is not None,
-            self.vocab_txt is not None,
-            self.spm_model is not None,
-            self.vocab_json is not None or self.merges is not None,
-        ]
-        if sum(kinds) != 1:
-            raise ValueError(
-                "give exactly one of tokenizer_json, vocab_txt, spm_model, or vocab_json+merges"
-            )
-        if (self.vocab_json is None) != (self.merges is None):
-            raise ValueError("vocab_json and merges go together")
-        return self
-
-
 class TokenizerConfig(BaseModel):
     """Which tokenizer to train (or load), and how it is exported."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     family: Family = Field(
-        "wordpiece", description="wordpiece (BERT), bpe (GPT-2/RoBERTa), unigram (T5)."
+        "wordpiece",
+        description="wordpiece (BERT), bpe (GPT-2/RoBERTa), unigram (T5), char (a token per "
+        "character, as nanoGPT's shakespeare_char).",
     )
     bpe_style: Literal["gpt2", "roberta"] = Field("gpt2", description="Specials of a BPE vocab.")
     vocab_size: int = Field(
         30_000,
         ge=100,
         le=1_000_000,
-        description="Tokens to train, specials and (unigram) sentinels included.",
+        description="Tokens to train (at most), specials and (unigram) sentinels included; "
+        "char: the characters seen, up to this many.",
     )
     pad_to_multiple_of: int = Field(
         64,
@@ -103,11 +81,13 @@ class TokenizerConfig(BaseModel):
         description="Model embedding rows are "
         "padded up to a multiple of this (fast matrix shapes).",
     )
-    min_frequency: int = Field(2, ge=1, description="Minimum count of a merge/piece.")
+    min_frequency: int = Field(
+        2, ge=1, description="Minimum count of a merge/piece (char: of a character)."
+    )
     lowercase: bool | None = Field(
         None,
         description="Lowercase before tokenizing. None: by family, true for wordpiece (as BERT "
-        "uncased), false for bpe and unigram (GPT-2, RoBERTa and T5 are cased).",
+        "uncased), false for bpe, unigram and char (GPT-2, RoBERTa and T5 are cased).",
     )
     strip_accents: bool | None = Field(
         None, description="WordPiece: strip accents; None follows `lowercase`, as BERT does."
@@ -170,12 +150,22 @@ class TokenizerConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _char_loads_its_own_json(self) -> TokenizerConfig:
+        files = self.pretrained
+        if self.family == "char" and files is not None and files.tokenizer_json is None:
+            raise ValueError(
+                "tokenizer.family char loads only tokenizer.pretrained.tokenizer_json; vocab_txt, "
+                "vocab_json+merges and spm_model are the vocabularies of other families"
+            )
+        return self
+
 
 def lowercases(cfg: TokenizerConfig) -> bool:
     """Whether `cfg` lowercases: its `lowercase` when set, else its family's convention.
 
     WordPiece lowercases, as bert-base-uncased does; byte-level BPE (GPT-2, RoBERTa) and Unigram
-    (T5) keep case, as those models' own tokenizers do.
+    (T5) keep case, as those models' own tokenizers do, and so does char, as nanoGPT's.
     """
     return cfg.family == "wordpiece" if cfg.lowercase is None else cfg.lowercase
 
@@ -186,6 +176,8 @@ def special_tokens(cfg: TokenizerConfig) -> list[str]:
         return WORDPIECE_SPECIALS
     if cfg.family == "bpe":
         return GPT2_SPECIALS if cfg.bpe_style == "gpt2" else ROBERTA_SPECIALS
+    if cfg.family == "char":
+        return CHAR_SPECIALS
     return T5_SPECIALS
 
 
@@ -214,6 +206,8 @@ def _pipeline(tok: Tokenizer, cfg: TokenizerConfig) -> Tokenizer:
             tok.normalizer = normalizers.Lowercase()
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
+    elif cfg.family == "char":
+        char_pipeline(tok, lowercases(cfg))
     else:
         steps = [normalizers.Nmt(), normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")]
         if lowercases(cfg):
@@ -237,7 +231,9 @@ def _post_processor(tok: Tokenizer, cfg: TokenizerConfig) -> None:
     def ids(token: str) -> int:  # only the tokens a template uses must exist
         return _token_id(tok, token)
 
-    if cfg.family == "wordpiece":
+    if cfg.family == "char":  # as GPT-2: `<|endoftext|>` only goes between documents
+        tok.post_processor = None
+    elif cfg.family == "wordpiece":
         tok.post_processor = processors.TemplateProcessing(
             single="[CLS] $A [SEP]",
             pair="[CLS] $A [SEP] $B:1 [SEP]:1",
@@ -287,13 +283,17 @@ def untrained_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
         model: models.Model = models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100)
     elif cfg.family == "bpe":
         model = models.BPE()
+    elif cfg.family == "char":
+        model = char_model()
     else:
         model = models.Unigram()
     return _pipeline(Tokenizer(model), cfg)
 
 
 def _trainer(cfg: TokenizerConfig, specials: list[str]) -> tk_trainers.Trainer:
-    """The `tokenizers` trainer of a BPE or (`unigram_trainer: tokenizers`) Unigram vocabulary."""
+    """The `tokenizers` trainer of a BPE, char or (`unigram_trainer: tokenizers`) Unigram model."""
+    if cfg.family == "char":
+        return char_trainer(cfg.vocab_size, cfg.min_frequency)
     if cfg.family == "bpe":
         return tk_trainers.BpeTrainer(
             vocab_size=cfg.vocab_size,
@@ -451,6 +451,7 @@ _ROLES: dict[str, dict[str, str]] = {
     },
     "gpt2": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>"},
     "unigram": {"eos": "</s>", "unk": "<unk>", "pad": "<pad>"},
+    "char": {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<unk>"},
 }
 
 

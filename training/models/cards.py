@@ -83,7 +83,7 @@ class TokenizerRef(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     fingerprint: str = Field(description="The tokenizer stage's output fingerprint.")
-    family: str = Field(description="wordpiece, bpe or unigram.")
+    family: str = Field(description="wordpiece, bpe, unigram or char.")
     vocab_size: int = Field(gt=0, description="Tokens in the vocabulary, specials included.")
 
 

@@ -32,7 +32,7 @@ from tasks.examples.objectives.rng import (
 )
 
 IGNORE_INDEX = -100  # the label of an unchosen position (PyTorch's cross-entropy ignore_index)
-WordFamily = Literal["wordpiece", "bpe", "unigram"]
+WordFamily = Literal["wordpiece", "bpe", "unigram", "char"]
 
 
 class MaskConfig(BaseModel):
@@ -280,8 +280,18 @@ def word_start_table(tokens: list[str], family: WordFamily, special_ids: set[int
         tokens: The vocabulary, `tokens[id]` being the token string of `id`.
         family: The tokenizer family that made the vocabulary.
         special_ids: Ids of special tokens.
+
+    Raises:
+        ValueError: an unknown family, or `char`, whose tokens carry no word boundary.
     """
     prefix = {"bpe": "Ġ", "unigram": "▁"}
+    if family == "char":
+        # A character token is the same whether it starts a word or not: no table can say.
+        raise ValueError(
+            "examples.mask.whole_word needs word boundaries in the vocabulary, and a "
+            "tokenizer.family=char vocabulary (one token per character) has none: set "
+            "examples.mask.whole_word=false"
+        )
     if family == "wordpiece":
         table = np.array([not t.startswith("##") for t in tokens], dtype=bool)
     elif family in prefix:

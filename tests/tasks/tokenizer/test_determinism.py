@@ -3,7 +3,8 @@ training, one family per test, 5 fresh processes each (hash seeds and Rayon thre
 
 The corpus is built to make upstream's WordPiece trainer diverge: many distinct continuation
 characters and words with tied pair counts. `test_upstream_wordpiece_diverges_on_this_corpus`
-shows it does, so a pass of the others is not luck.
+shows it does, so a pass of the others is not luck. The char family trains on it plus rare
+characters that tie, cut through by `vocab_size`, so the tie-break is what is tested.
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ def corpus() -> list[str]:
     return [" ".join(draw.choice(words) for _ in range(40)) for _ in range(2000)]
 
 
+def char_corpus() -> list[str]:
+    """`corpus()` twice, with 300 Cyrillic characters seen twice each in shuffled documents.
+
+    With `CHAR_CONFIG` the 43 characters of the corpus and the 2 specials leave 155 places for
+    the 300 tied ones: which of them make it depends on the tie-break alone.
+    """
+    rare = [chr(c) for c in range(0x400, 0x400 + 300)]
+    random.Random(11).shuffle(rare)
+    return [*corpus(), *("".join(rare[k : k + 30]) for k in range(0, 300, 30))] * 2
+
+
 # Run in a fresh interpreter: trains with the config given as JSON on argv, prints the sha256
 # of the tokenizer.json that the tokenizer stage would save.
 TRAIN = """
@@ -43,6 +55,14 @@ from tests.tasks.tokenizer.test_determinism import corpus, saved_tokenizer_json
 from tasks.tokenizer.tokenizer import TokenizerConfig
 cfg = TokenizerConfig.model_validate_json(sys.argv[1])
 print(hashlib.sha256(saved_tokenizer_json(corpus(), cfg)).hexdigest())
+"""
+CHAR_CONFIG = {"family": "char", "vocab_size": 200, "min_frequency": 1}
+CHAR_TRAIN = """
+import hashlib, sys
+from tests.tasks.tokenizer.test_determinism import char_corpus, saved_tokenizer_json
+from tasks.tokenizer.tokenizer import TokenizerConfig
+cfg = TokenizerConfig.model_validate_json(sys.argv[1])
+print(hashlib.sha256(saved_tokenizer_json(char_corpus(), cfg)).hexdigest())
 """
 # Upstream's WordPiece trainer as the project called it before deterministic training.
 UPSTREAM = """
@@ -111,6 +131,15 @@ def test_upstream_wordpiece_diverges_on_this_corpus() -> None:
 )
 def test_training_gives_the_same_tokenizer_json_in_every_process(config: dict[str, object]) -> None:
     assert len(digests(TRAIN, json.dumps(config))) == 1
+
+
+def test_char_training_breaks_ties_the_same_way_in_every_process() -> None:
+    cfg = TokenizerConfig.model_validate(CHAR_CONFIG)
+    vocab = json.loads(saved_tokenizer_json(char_corpus(), cfg))["model"]["vocab"]
+    rare = sorted(t for t in vocab if len(t) == 1 and 0x400 <= ord(t) < 0x400 + 300)
+    assert len(vocab) == 200
+    assert rare == [chr(c) for c in range(0x400, 0x400 + 155)]  # the tie kept in code-point order
+    assert len(digests(CHAR_TRAIN, json.dumps(CHAR_CONFIG))) == 1
 
 
 def test_wordpiece_continuations_are_vocabulary_not_added_tokens() -> None:
