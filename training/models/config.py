@@ -96,10 +96,27 @@ class ModelConfig(BaseModel):
         "prediction and cut off at export. 1 pads nothing.",
     )
 
+    bias: bool = Field(
+        True,
+        description="false: no biases, as nanoGPT's bias=False (gpt2 only): every Conv1D and "
+        "LayerNorm bias is zero and not trained, and the fast path leaves it out of the "
+        "computation. The export is a stock GPT-2 whose biases are zero (its logits are the "
+        "trained module's).",
+    )
+
     @field_validator("family", mode="before")
     @classmethod
     def _alias(cls, value: Any) -> Any:
         return ALIASES.get(value, value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _bias_for_gpt2(self) -> ModelConfig:
+        if not self.bias and self.family != "gpt2":
+            raise ValueError(
+                f"model.bias false is for the gpt2 family, not {self.family!r}: its stock "
+                "class has no bias-free form lmpipe trains"
+            )
+        return self
 
 
 class ElectraConfig(BaseModel):

@@ -21,6 +21,7 @@ from huggingface_hub.errors import StrictDataclassError
 from tasks.common.schema import ObjectiveMismatchError
 from training.models import presets
 from training.models.attention import DOCUMENT_FLEX, register_document_flex
+from training.models.bias import drop_biases
 from training.models.config import ALIASES as ALIASES
 from training.models.config import DocumentAttention
 from training.models.config import Family as Family
@@ -451,6 +452,8 @@ def build_model(
     if cfg.implementation == "fast" and not stock:
         cls = fast_class(cfg.family) or cls
     model = cls(config)
+    if not cfg.bias:  # nanoGPT's bias=False: zero and frozen (training/models/bias.py)
+        drop_biases(model)
     if cfg.activation_checkpointing:
         # transformers 5.23 deprecates gradient_checkpointing_enable for this name; it uses
         # torch's non-reentrant checkpoint by default.

@@ -261,6 +261,43 @@ def test_an_export_gives_lmpipes_modules_logits(
     assert saved == {k: v for k, v in model.config.to_dict().items() if k not in where}
 
 
+def test_a_bias_free_gpt2_exports_as_stock_gpt2_with_zero_biases(
+    tokenizer_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`model.bias: false` (nanoGPT's bias=False): after training steps the biases are still
+    zero, and the stock load of the export computes the trained module's logits within 1e-5."""
+    tok_dir = tokenizer_dirs["gpt2"]
+    tok = tf.AutoTokenizer.from_pretrained(tok_dir)
+    specials = {"eos": tok.eos_token_id, "pad": tok.pad_token_id, "vocab_size": len(tok)}
+    torch.manual_seed(0)
+    cfg = ModelConfig(family="gpt2", bias=False)
+    model = build_model(cfg, "causal", vocab_rows(tok_dir, "gpt2"), specials, 64).train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1)
+    ids = torch.randint(5, len(tok), (2, 24))
+    for _ in range(3):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    biases = {n: p for n, p in model.named_parameters() if n.endswith(".bias")}
+    assert biases
+    assert all(not p.requires_grad and not p.any() for p in biases.values())
+    hf_dir = export_model(model, tok_dir, tmp_path / "gpt2", card_for("gpt2", model, tok_dir))
+    loaded = reload("gpt2", hf_dir)
+    assert type(loaded) is tf.GPT2LMHeadModel
+    assert not any(p.any() for n, p in loaded.named_parameters() if n.endswith(".bias"))
+    assert "lmpipe_zero_biases" not in (hf_dir / "config.json").read_text()
+    model.eval()
+    with torch.no_grad():
+        trained, exported = model(input_ids=ids).logits, loaded(input_ids=ids).logits
+    torch.testing.assert_close(exported, trained, rtol=0, atol=1e-5)
+
+
+def test_model_bias_false_is_for_gpt2_only() -> None:
+    with pytest.raises(ValueError, match=r"model\.bias false is for the gpt2 family, not 'bert'"):
+        ModelConfig(family="bert", bias=False)
+
+
 def test_export_sets_tokenizer_max_length_to_the_models(
     exports: Exports,
 ) -> None:

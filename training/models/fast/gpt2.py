@@ -27,8 +27,10 @@ from transformers import GPT2LMHeadModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.pytorch_utils import Conv1D
 
 from training.models.attention import DOCUMENT_FLEX
+from training.models.bias import has_zero_biases
 
 #: Attention implementations whose layers run `F.scaled_dot_product_attention` on a tensor
 #: mask or none: transformers' SDPA, and lmpipe's document FlexAttention without a BlockMask.
@@ -176,12 +178,14 @@ def causal_lm_logits(
     x = _dropout(x, gpt.drop.p, model.training).reshape(batch * length, -1)  # (B*T, D)
     if attention_mask is None and position_ids is not None:
         attention_mask = packed_sequence_mask(position_ids, batch)
+    # Zero, frozen biases (`model.bias: false`) are left out: adding a zero changes nothing.
+    biases = not has_zero_biases(model)
     for block in gpt.h:
-        x = _block(cast(GPT2Block, block), x, attention_mask, batch, model.training)
+        x = _block(cast(GPT2Block, block), x, attention_mask, batch, model.training, biases)
     # (B, T, D): a 3-D input makes the logits a fresh tensor, not a view, so the loss's
     # in-place masking of padded vocabulary columns costs no gradient copy (CopySlices)
     x = x.view(batch, length, -1)
-    x = F.layer_norm(x, gpt.ln_f.normalized_shape, gpt.ln_f.weight, gpt.ln_f.bias, gpt.ln_f.eps)
+    x = _layer_norm(x, gpt.ln_f, biases)
     return F.linear(x, model.lm_head.weight, model.lm_head.bias)  # (B, T, V)
 
 
@@ -198,16 +202,20 @@ def packed_sequence_mask(position_ids: Tensor, batch: int) -> Tensor:
     return ((runs[:, :, None] == runs[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
 
 
-def _block(block: GPT2Block, x: Tensor, mask: Tensor | None, batch: int, training: bool) -> Tensor:
+def _block(
+    block: GPT2Block, x: Tensor, mask: Tensor | None, batch: int, training: bool, biases: bool
+) -> Tensor:
     """One pre-LN GPT-2 block on `x` (B*T, D), as `GPT2Block.forward` computes it."""
     attn, mlp = block.attn, block.mlp
     width, heads = x.shape[-1], attn.num_heads
-    h = F.layer_norm(
-        x, block.ln_1.normalized_shape, block.ln_1.weight, block.ln_1.bias, block.ln_1.eps
+    qkv = _conv1d(_layer_norm(x, block.ln_1, biases), attn.c_attn, biases)  # (B*T, 3D)
+    # The stock split: three (B*T, D) slices, each viewed as (B, H, T, D/H). Its backward
+    # concatenates the three gradients, cheaper than stacking them and copying back out of a
+    # permuted (B, T, 3, H, D/H) view.
+    q, k, v = (
+        z.view(batch, -1, heads, width // heads).transpose(1, 2)
+        for z in torch.split(qkv, width, dim=1)
     )
-    qkv = torch.addmm(attn.c_attn.bias, h, attn.c_attn.weight)  # (B*T, 3D): Conv1D's op
-    # (B, T, 3, H, D/H) -> three (B, H, T, D/H) views, the strides the stock split gives
-    q, k, v = qkv.view(batch, -1, 3, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
     y = F.scaled_dot_product_attention(
         q,
         k,
@@ -217,15 +225,25 @@ def _block(block: GPT2Block, x: Tensor, mask: Tensor | None, batch: int, trainin
         is_causal=mask is None and q.shape[2] > 1,  # the stock rule: one query sees itself
         scale=attn.scaling,
     )  # (B, H, T, D/H)
-    y = y.transpose(1, 2).reshape(x.shape)  # (B*T, D)
-    y = torch.addmm(attn.c_proj.bias, y, attn.c_proj.weight)
+    y = _conv1d(y.transpose(1, 2).reshape(x.shape), attn.c_proj, biases)  # (B*T, D)
     x = x + _dropout(y, attn.resid_dropout.p, training)
-    h = F.layer_norm(
-        x, block.ln_2.normalized_shape, block.ln_2.weight, block.ln_2.bias, block.ln_2.eps
-    )
-    h = mlp.act(torch.addmm(mlp.c_fc.bias, h, mlp.c_fc.weight))  # (B*T, 4D)
-    h = torch.addmm(mlp.c_proj.bias, h, mlp.c_proj.weight)
+    h = mlp.act(_conv1d(_layer_norm(x, block.ln_2, biases), mlp.c_fc, biases))  # (B*T, 4D)
+    h = _conv1d(h, mlp.c_proj, biases)
     return x + _dropout(h, mlp.dropout.p, training)
+
+
+def _conv1d(x: Tensor, layer: Conv1D, bias: bool) -> Tensor:
+    """A `Conv1D` on `x` (N, in): its own `addmm` on the (in, out) weight; `mm` without bias."""
+    if bias:
+        return torch.addmm(layer.bias, x, layer.weight)
+    return torch.mm(x, layer.weight)
+
+
+def _layer_norm(x: Tensor, norm: nn.LayerNorm, bias: bool) -> Tensor:
+    """`norm` (a LayerNorm) on `x`, its bias left out where it is a frozen zero."""
+    return F.layer_norm(
+        x, norm.normalized_shape, norm.weight, norm.bias if bias else None, norm.eps
+    )
 
 
 def _dropout(x: Tensor, p: float, training: bool) -> Tensor:

@@ -127,8 +127,9 @@ def eval_metrics(sums: Mapping[str, float]) -> dict[str, float]:
       `denoise_tokens`, target tokens), nsp / sop (`pair_total`, pairs), rtd (`rtd_total`,
       real tokens the ELECTRA discriminator labels), kd (`mlm_total`) and cos (`cos_total`,
       real tokens) of distillation, aux (`aux_batches`: Mixtral's router loss, per batch).
-    - `<part>_accuracy` = Σ `<part>_correct` / Σ total: argmax equals the label (kd: the
-      student's argmax equals the teacher's; cos: cosine above 0.9; none for aux).
+    - `<part>_accuracy` = Σ `<part>_correct` / Σ total: the label's logit is the largest, a
+      tie counting as a hit (kd: the student's argmax equals the teacher's; cos: cosine above
+      0.9; none for aux).
     - `perplexity` = exp(the first token loss: mlm, lm, span or denoise; inf past exp's range).
     - `loss` = the sum of the part losses (BERT: mlm_loss + nsp_loss). ELECTRA and
       distillation train on a weighted sum; their `loss` here is unweighted.

@@ -25,6 +25,7 @@ from tests.training.models.fast.fast_parity import (
 from tests.training.models.fast.fast_parity import stock_forward_calls
 from tests.training.pretrain.host_reads import count_host_reads
 from training.models.attention import DOCUMENT_FLEX, register_document_flex
+from training.models.bias import drop_biases, has_zero_biases
 from training.models.config import ModelConfig
 from training.models.fast import as_stock
 from training.models.fast.gpt2 import FastGPT2LMHeadModel, packed_sequence_mask
@@ -142,6 +143,21 @@ def test_fast_path_gives_the_stock_logits_and_gradients(
 ) -> None:
     stock, fast = twins()
     assert_same_outputs_and_grads(stock, fast, lm_call(mask, positions))
+    assert stock_calls == []
+
+
+@pytest.mark.parametrize(("mask", "positions"), [("none", "none"), ("4d-additive", "documents")])
+def test_bias_free_fast_path_gives_the_stock_logits_and_gradients(
+    mask: str, positions: str, stock_calls: list[str]
+) -> None:
+    """`model.bias: false`: the fast path leaves the zero, frozen biases out of its ops; the
+    stock forward adds them. Same logits, same gradients, and no bias gets one."""
+    stock, fast = twins()
+    for model in (stock, fast):
+        drop_biases(model)
+    assert has_zero_biases(fast)
+    assert_same_outputs_and_grads(stock, fast, lm_call(mask, positions))
+    assert all(p.grad is None for n, p in fast.named_parameters() if n.endswith(".bias"))
     assert stock_calls == []
 
 
