@@ -147,9 +147,12 @@ def _dispatch(args: argparse.Namespace) -> int:
             _print_piped(json.dumps(public_dump(cfg), indent=2))
         return 0
     from pipelines.ops.prefect_api import open_prefect_api
+    from pipelines.ops.warm_imports import warm_imports
     from tasks.common.ray_runtime import prepare_local_node
     from tasks.ingest.sources import local_corpus_bytes
 
+    if args.command in TRAINING_COMMANDS:  # torch, DeepSpeed, MLflow load meanwhile
+        warm_imports()
     open_prefect_api(cfg)  # before Prefect is imported: its home and API (docs/cli.md)
     # The command daemon's Ray node starts meanwhile, if none runs and the corpus is not so
     # small that the stages stay in this process.
@@ -172,6 +175,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "examples inspect":
         return _inspect(stages, args.count)
     return _summarise(cfg, stages)
+
+
+#: The commands that train or evaluate a model: they import torch at their training stage.
+TRAINING_COMMANDS = frozenset({"run", "pretrain", "finetune", "compare", "evaluate"})
 
 
 def _list_keys(section: str, stray: Path | None) -> int:
@@ -235,6 +242,9 @@ def _run_finetune(cfg: RunConfig) -> dict[str, dict[str, Any]]:
 
 
 def _run_compare(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    from pipelines.ops.warm_imports import await_warm_imports
+
+    await_warm_imports()  # the compare flow imports torch as it loads
     from pipelines.flows.compare_flow import compare_flow
 
     return compare_flow(cfg)

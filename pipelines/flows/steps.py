@@ -27,6 +27,7 @@ from prefect.tasks import exponential_backoff
 from pipelines.config import ConfigError, RunConfig
 from pipelines.flows.stage_tracking import record_stage_task, recorded_run, track_stage_task
 from pipelines.flows.summary import publish_stage
+from pipelines.ops.warm_imports import await_warm_imports
 from tasks.common.caching import in_workspace, stage_summary
 from tasks.common.io import public_dump
 from tasks.decontaminate.stage import decontaminate_task
@@ -152,6 +153,7 @@ def run_data_steps(cfg: RunConfig, last: str) -> Stages:
 
 def pretrain_step(cfg: RunConfig, stages: Stages, resume: bool = False) -> Stages:
     """Pretrain, export to Hugging Face format and register the model (reused when done)."""
+    await_warm_imports()  # before this thread imports torch (pipelines/ops/warm_imports.py)
     from training.pretrain.stage import pretrain_task  # torch: only where it trains
 
     examples, tokenizer = stages["examples"]["path"], stages["tokenizer"]["path"]
@@ -202,6 +204,7 @@ def base_model(cfg: RunConfig, stages: Stages) -> tuple[str, dict[str, str]]:
     `finetune.base` when set (a local directory or a registry version), else the model the
     `pretrain` stage in `stages` exported.
     """
+    await_warm_imports()
     from training.finetune.stage import resolve_base_model_task
 
     if cfg.finetune.base is not None:
@@ -220,6 +223,7 @@ def base_model(cfg: RunConfig, stages: Stages) -> tuple[str, dict[str, str]]:
 
 def finetune_step(cfg: RunConfig, stages: Stages) -> Stages:
     """Fine-tune the base model on the prepared task; export and register it with lineage."""
+    await_warm_imports()
     from training.finetune.stage import finetune_task
 
     model_dir, lineage = base_model(cfg, stages)
@@ -231,6 +235,7 @@ def finetune_step(cfg: RunConfig, stages: Stages) -> Stages:
 
 def evaluate_step(cfg: RunConfig, stages: Stages) -> Stages:
     """Evaluate the base model (and report the fine-tuned one when the pipeline made it)."""
+    await_warm_imports()
     from training.evaluate.stage import evaluate_task
 
     model_dir, _ = base_model(cfg, stages)
