@@ -17,8 +17,8 @@ from tasks.encode.encode import (
     merge_stats,
     sentence_segments,
 )
-from tasks.ingest.text import SentenceConfig, split_sentences
 from tasks.tokenizer.tokenizer import TokenizerConfig, train_tokenizer, unknown_id
+from tests.tasks.encode.encode_inputs import documents
 
 TEXTS = [
     "The cat sat. Then it left!\nA new paragraph starts here.",
@@ -26,17 +26,6 @@ TEXTS = [
     'Dr. Smith arrived.  "Hello," she said. It was 3 p.m. in the U.S. today.',
     "Ünïcödé wörds — and “quotes”. Ça va? Oui.",
 ]
-
-
-def documents(texts: list[str]) -> pa.Table:
-    column = pa.array(texts, pa.large_string())
-    return pa.table(
-        {
-            schema.DOC_ID: pa.array([f"d{i}" for i in range(len(texts))]),
-            schema.TEXT: column,
-            schema.SENTENCES: split_sentences(column, SentenceConfig()),
-        }
-    )
 
 
 @pytest.fixture(scope="module")

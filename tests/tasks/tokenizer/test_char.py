@@ -22,7 +22,6 @@ from tasks.examples.cutting import causal_blocks
 from tasks.examples.documents import encoded_docs
 from tasks.examples.objectives.masking import word_start_table
 from tasks.examples.specials import objective_specials
-from tasks.ingest.text import SentenceConfig, split_sentences
 from tasks.tokenizer.bytelevel import SegmentEncoder
 from tasks.tokenizer.stage import vocabulary_shortfall
 from tasks.tokenizer.tokenizer import (
@@ -36,6 +35,7 @@ from tasks.tokenizer.tokenizer import (
     train_tokenizer,
     unknown_id,
 )
+from tests.tasks.encode.encode_inputs import documents
 
 SPECIALS = ["<|endoftext|>", "<unk>"]
 TEXTS = [
@@ -177,17 +177,6 @@ def test_tiny_shakespeare_gives_its_65_characters_and_the_2_specials(shared_data
     # min_frequency 2 (the default) drops "$", which the play uses once.
     default = train_tokenizer(speeches, TokenizerConfig(family="char", vocab_size=256))
     assert set(vocabulary(default)[2:]) == set(text) - {"$"}
-
-
-def documents(texts: list[str]) -> pa.Table:
-    column = pa.array(texts, pa.large_string())
-    return pa.table(
-        {
-            schema.DOC_ID: pa.array([f"d{i}" for i in range(len(texts))]),
-            schema.TEXT: column,
-            schema.SENTENCES: split_sentences(column, SentenceConfig()),
-        }
-    )
 
 
 def test_tokenizer_encode_and_causal_cores_round_trip_every_document(tmp_path: Path) -> None:
