@@ -2,9 +2,11 @@
 
 `lmpipe pretrain` (and `run`, `finetune`, `compare`, `evaluate`) imports torch, DeepSpeed and
 MLflow at its training stage: about 3.5 s on a 2-core machine, after the data stages, before
-its first step. The command daemon cannot import them ahead for its commands (a process that
-forks commands must not have touched a GPU), so each command starts them in a thread of its
-own as it begins, and they load while the Prefect API starts and the data stages run.
+its first step. The command daemon imports MLflow at its first idle moment (`LATER_MODULES` in
+pipelines/daemon/child.py), too late for its first command, and never torch or DeepSpeed (a
+process that forks commands must not have touched a GPU). So each training command starts them
+in a thread of its own as it begins (a module already in is skipped at no cost), and they load
+while the Prefect API starts and the data stages run.
 
 The main thread must not import torch (or anything that does) while the thread may still be
 importing it: two threads entering a package's circular imports at different modules can

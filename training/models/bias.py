@@ -20,11 +20,10 @@ ZERO_BIASES = "lmpipe_zero_biases"
 def drop_biases(model: nn.Module) -> None:
     """Zero and freeze every parameter named `bias` in `model`, and mark the model."""
     with torch.no_grad():
-        for module in model.modules():
-            bias = module._parameters.get("bias")
-            if bias is not None:
-                bias.zero_()
-                bias.requires_grad_(False)
+        for name, param in model.named_parameters():
+            if name.rsplit(".", 1)[-1] == "bias":
+                param.zero_()
+                param.requires_grad_(False)
     setattr(model, ZERO_BIASES, True)
 
 
