@@ -6,9 +6,14 @@ import sys
 from typing import Any
 
 from pipelines.config import ConfigError, RunConfig, load_config
-from pipelines.flows.pretrain_flow import pretrain_flow
 from pipelines.flows.recipe_flow import recipe_flow
-from pipelines.flows.steps import Stages, downstream_step, finetune_step
+from pipelines.flows.steps import (
+    Stages,
+    downstream_step,
+    finetune_step,
+    pretrain_step,
+    run_data_steps,
+)
 from pipelines.ops.runtime import resolve_environment
 
 
@@ -20,8 +25,14 @@ def prepare_task(cfg: RunConfig) -> dict[str, Any]:
 
 
 def upstream(cfg: RunConfig) -> Stages:
-    """The stages that give the base model: none with `finetune.base`, else the pretrain flow."""
-    return {} if cfg.finetune.base is not None else pretrain_flow(cfg)
+    """The stages that give the base model: none with `finetune.base`, else the pretrain flow's.
+
+    As tasks of the calling flow run (docs/pipeline.md, "One flow run per command").
+    """
+    if cfg.finetune.base is not None:
+        return {}
+    stages = run_data_steps(cfg, "examples")
+    return stages | pretrain_step(cfg, stages)
 
 
 @recipe_flow(name="finetune")

@@ -5,9 +5,8 @@ from __future__ import annotations
 import sys
 
 from pipelines.config import RunConfig, load_config
-from pipelines.flows.examples_flow import examples_flow
 from pipelines.flows.recipe_flow import recipe_flow
-from pipelines.flows.steps import Stages, pretrain_step
+from pipelines.flows.steps import Stages, pretrain_step, run_data_steps
 from pipelines.ops.runtime import resolve_environment
 
 
@@ -19,7 +18,9 @@ def pretrain_flow(cfg: RunConfig, resume: bool = False) -> Stages:
     that stopped (killed, preempted) from its newest valid checkpoint.
     """
     cfg = resolve_environment(cfg)
-    stages = examples_flow(cfg)
+    # The data stages as tasks of this flow run, as `pipeline_flow` runs them: a nested
+    # `examples` flow run would cost its own API round trips and engine start (0.5 s).
+    stages = run_data_steps(cfg, "examples")
     return stages | pretrain_step(cfg, stages, resume)
 
 

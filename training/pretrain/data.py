@@ -105,14 +105,27 @@ class ExampleShards:
         """Tokens per row: the examples' full length (`max_seq_length`, `block_size`)."""
         return int(self.columns[schema.INPUT_IDS][0].shape[1])
 
-    def take(self, indices: np.ndarray) -> dict[str, Any]:
-        """The rows at `indices` (global), in that order: (N, L) arrays and doc-start lists."""
+    def take(self, indices: np.ndarray, doc_starts: bool = True) -> dict[str, Any]:
+        """The rows at `indices` (global), in that order: (N, L) arrays and doc-start lists.
+
+        `doc_starts` False leaves the doc-start lists out (a Python object per row: what a
+        step's take costs most, for a batch builder that does not read them).
+        """
         chunk = np.searchsorted(self.bounds, indices, side="right") - 1  # (N,)
         local = indices - self.bounds[chunk]
         out: dict[str, Any] = {}
+        # One gather per chunk the rows come from, not one per row (a step's batch touches few)
+        chunks = np.unique(chunk)
         for name, parts in self.columns.items():
-            out[name] = np.stack([parts[c][r] for c, r in zip(chunk, local, strict=True)])
-        if self.doc_starts:
+            if len(chunks) == 1:
+                out[name] = parts[chunks[0]][local]
+                continue
+            rows = np.empty((len(indices), *parts[0].shape[1:]), dtype=parts[0].dtype)
+            for c in chunks:
+                at = chunk == c
+                rows[at] = parts[c][local[at]]
+            out[name] = rows
+        if self.doc_starts and doc_starts:
             out[schema.DOC_STARTS] = [
                 self.doc_starts[c][int(r)].as_py() for c, r in zip(chunk, local, strict=True)
             ]
@@ -235,6 +248,11 @@ class BatchBuilder:
     objective: str
     masker: Masker | None = None
     document_masking: bool = False
+
+    @property
+    def reads_doc_starts(self) -> bool:
+        """Whether the rows it builds from need their doc-start lists (`ExampleShards.take`)."""
+        return self.objective == "causal" and self.document_masking
 
     def __call__(
         self, rows: dict[str, Any], indices: np.ndarray, epoch: int, length: int | None = None

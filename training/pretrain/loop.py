@@ -228,7 +228,7 @@ class Worker:
         # torch.amp's GradScaler does, it reaches the fused AdamW as `found_inf`, and at 1 the
         # kernel leaves every weight and its moments and step count as they were.
         skip, guard_record = self.guard.decide()
-        self.optimizer.found_inf = skip.float().reshape(())
+        self.optimizer.found_inf = skip
         grad_norm = None
         if self.clip > 0:  # where the engine does not clip (ZeRO 0): torch's foreach kernels
             params = [p for p in self.trainable if p.grad is not None]
@@ -276,8 +276,9 @@ class Worker:
         length = self._seq_len(step - 1)
         micro = rank_micro_batches(indices, self.ctx.rank, self.ctx.world_size, self.micro)
         device = self.engine.device
+        starts = self.build.reads_doc_starts
         batches = [
-            pinned(self.build(self.train_data.take(ids), ids, epoch, length), device)
+            pinned(self.build(self.train_data.take(ids, starts), ids, epoch, length), device)
             for ids in micro
         ]
         return StepPlan(step, cursor, epoch, after, length, micro, batches)
@@ -290,7 +291,9 @@ class Worker:
         meter = StepMeter()
         with torch.no_grad():
             for ids in rank_micro_batches(indices, self.ctx.rank, self.ctx.world_size, self.micro):
-                rows = self.build(self.eval_data.take(ids), ids, EVAL_EPOCH)
+                rows = self.build(
+                    self.eval_data.take(ids, self.build.reads_doc_starts), ids, EVAL_EPOCH
+                )
                 batch = on_device(pinned(rows, self.engine.device), self.engine.device)
                 with self.precision():
                     out = pretraining_loss(

@@ -60,9 +60,13 @@ class StepMeter:
 
     def add(self, out: StepOutput, batch: dict[str, torch.Tensor]) -> None:
         """Add one micro-batch's output."""
-        for key, value in out.counts.items():
-            value = value.detach().double()
-            self.sums[key] = self.sums[key] + value if key in self.sums else value
+        # The first micro-batch's counts are kept as they are (float32 sums, int64 counts) and
+        # converted when read: at one micro-batch a step, no operation at all.
+        if not self.sums:
+            self.sums = dict(out.counts)
+        else:
+            for key, value in out.counts.items():
+                self.sums[key] = self.sums[key].double() + value.double()
         self.samples += batch[schema.INPUT_IDS].shape[0]
 
     def keys(self) -> tuple[str, ...]:
@@ -73,8 +77,10 @@ class StepMeter:
         """The sums in `keys` order, one float64 tensor on the device (not yet reduced)."""
         sums = [self.sums[k] for k in sorted(self.sums)]
         device = sums[0].device if sums else torch.device("cpu")
-        samples = torch.full((1,), float(self.samples), dtype=torch.float64, device=device)
-        return torch.cat([torch.stack(sums), samples]) if sums else samples
+        samples = torch.full((), float(self.samples), dtype=torch.float64, device=device)
+        # One stack converts every sum: with a float64 member, torch promotes them all to it
+        # (int64 counts exactly). Detached: a loss may hand over a count still in its graph.
+        return torch.stack([*sums, samples]).detach()
 
     def totals(self) -> dict[str, float]:
         """This rank's sums, read on the host (no reduction)."""
@@ -248,11 +254,12 @@ class Telemetry:
         """Keep one step's values on the device; return whether it is time to `flush`."""
         sums = meter.vector()
         if isinstance(grad_norm, torch.Tensor):
-            norm = grad_norm.detach().double().reshape(()).to(sums.device)
+            norm = grad_norm.detach().reshape(1).to(sums.device)
         else:  # a fill on the device, not a copy from the host (which would synchronise)
             value = math.nan if grad_norm is None else float(grad_norm)
-            norm = torch.full((), value, dtype=torch.float64, device=sums.device)
-        local = torch.cat([torch.stack([norm, skip.double().reshape(())]), guard_record.double()])
+            norm = torch.full((1,), value, dtype=torch.float64, device=sums.device)
+        # One cat, promoted to the record's float64: the norm, the skip flag, the record.
+        local = torch.cat([norm, skip.reshape(1), guard_record])
         self.pending.append(_PendingStep(step, meter.keys(), sums, local, lr, seq_len))
         return step % self.every == 0
 

@@ -49,8 +49,9 @@ class LossGuard:
 
     def check(self, loss: torch.Tensor, step: int) -> Verdict:
         """Judge the mean of `loss` over all ranks now (a host read); raise when it stops."""
-        value, nonfinite = _rank_mean(loss.float().reshape(1))[:, 0].tolist()
-        return self.judge(value, nonfinite > 0, step, self.running_mean())
+        values, nonfinite = _rank_mean(loss.float().reshape(1))
+        value, flag = torch.stack([values, nonfinite.double()])[:, 0].tolist()  # one read
+        return self.judge(value, flag > 0, step, self.running_mean())
 
     def running_mean(self) -> float | None:
         """The mean a spike is measured against; None until enough steps are in it."""
@@ -108,20 +109,22 @@ class LossGuard:
         record holds, per micro-batch, the loss (mean over ranks) and a non-finite flag, then
         the running mean used and whether the spike check was armed.
         """
-        probe = _rank_mean(torch.stack(self._losses))  # (2, M)
+        # A few dozen operations on a handful of numbers, every step: each one counts on a
+        # small model (their number is what makes the guard's cost), so none is spared.
+        losses = torch.stack(self._losses) if len(self._losses) > 1 else self._losses[0][None]
         self._losses = []
-        values, nonfinite = probe[0].double(), probe[1] > 0  # (M,), (M,)
+        values, nonfinite = _rank_mean(losses)  # (M,) float64, (M,) bool
         state = self._state_on(values.device)
-        mean, armed = state.mean()
         bad = nonfinite.any()
         factor = self.cfg.spike_factor
-        if factor is not None:
-            bad = bad | (armed & (values > factor * mean)).any()
-        skip = bad.float()
+        if factor is None:  # no spike check (the default): no running mean to keep, unarmed
+            return bad.float(), torch.cat([values, nonfinite.double(), state.unarmed])
+        mean, armed = state.mean()
+        bad = bad | ((values > factor * mean).any() & armed)
         # The history takes the step's last micro-batch loss unless the step is skipped.
-        state.push(values[-1], ~bad)
-        record = torch.cat([values, nonfinite.double(), torch.stack([mean, armed.double()])])
-        return skip, record
+        state.push(values[-1:], bad)
+        record = torch.cat([values, nonfinite.double(), mean[None], armed.double()[None]])
+        return bad.float(), record
 
     def to(self, device: torch.device) -> None:
         """Put the running mean on `device` now (a copy from the host), not inside a step."""
@@ -165,22 +168,29 @@ class LossGuard:
         self._device = None  # rebuilt from the restored history at the next decision
 
 
-def _rank_mean(losses: torch.Tensor) -> torch.Tensor:
-    """(2, M): the losses' mean over ranks (non-finite counted as 0) and a non-finite flag.
+def _rank_mean(losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M,) float64 and (M,) bool: the mean over ranks and whether any rank's was non-finite.
 
-    One all-reduce, asynchronous on NCCL: nothing waits for the host. A one-rank world (a
-    worker in the command's process) has no other rank to ask: gloo's all-reduce would still
-    cost a fifth of a millisecond a step.
+    A non-finite loss counts as 0 in the mean. One all-reduce, asynchronous on NCCL: nothing
+    waits for the host. A one-rank world (a worker in the command's process) has no other rank
+    to ask: gloo's all-reduce would still cost a fifth of a millisecond a step.
     """
-    probe = torch.stack([losses.nan_to_num(0.0, 0.0, 0.0), (~torch.isfinite(losses)).float()])
+    values = losses.double()
+    finite = torch.isfinite(values)
+    values = torch.where(finite, values, 0.0)
     if dist.is_initialized() and dist.get_world_size() > 1:
+        probe = torch.stack([values, (~finite).double()])
         dist.all_reduce(probe)
-        probe[0] /= dist.get_world_size()
-    return probe
+        return probe[0] / dist.get_world_size(), probe[1] > 0
+    return values, ~finite
 
 
 class _DeviceGuard:
-    """The running mean's window on the device: the newest `count` entries at its end."""
+    """The running mean's window on the device: the newest `count` entries at its end.
+
+    The entries before them are zeros (the window starts as zeros and only shifts left), so
+    the window's sum is the sum of the accepted losses in it.
+    """
 
     def __init__(self, guard: LossGuard, device: torch.device) -> None:
         window = guard.cfg.spike_window
@@ -192,18 +202,14 @@ class _DeviceGuard:
             values[window - len(history) :] = torch.tensor(history, dtype=torch.float64)
         self.values = values.to(device)  # (W,)
         self.count = torch.full((), len(history), dtype=torch.int64, device=device)
-        self.positions = torch.arange(window, device=device)
+        self.unarmed = torch.zeros(2, dtype=torch.float64, device=device)  # a record's tail
 
     def mean(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The running mean (0 when empty) and whether the spike check is armed."""
-        valid = self.positions >= self.window - self.count  # (W,)
-        total = torch.where(valid, self.values, torch.zeros_like(self.values)).sum()
-        mean = total / self.count.clamp(min=1)
-        return mean, self.count >= self.armed_after
+        return self.values.sum() / self.count.clamp(min=1), self.count >= self.armed_after
 
-    def push(self, value: torch.Tensor, accept: torch.Tensor) -> None:
-        """Append `value` where `accept`, dropping the oldest once the window is full."""
-        shifted = torch.cat([self.values[1:], value.reshape(1)])
-        self.values = torch.where(accept, shifted, self.values)
-        grown = (self.count + 1).clamp(max=self.window)
-        self.count = torch.where(accept, grown, self.count)
+    def push(self, value: torch.Tensor, refuse: torch.Tensor) -> None:
+        """Append `value` (1,) unless `refuse`, dropping the oldest once the window is full."""
+        shifted = torch.cat([self.values[1:], value])
+        self.values = torch.where(refuse, self.values, shifted)
+        self.count = torch.where(refuse, self.count, (self.count + 1).clamp(max=self.window))

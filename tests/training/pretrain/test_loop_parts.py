@@ -322,3 +322,65 @@ def test_sequence_length_is_the_manifests_key_and_older_manifests_fall_back(
         older["config"] = {**manifest["config"], name: 48}  # the key an older manifest read
         assert sequence_length(older) == 48
         assert sequence_length(manifest) == 64
+
+
+def _write_examples(root: Path, chunks: list[int], width: int = 4) -> np.ndarray:
+    """An examples directory whose train split is `chunks` record batches over two shards;
+    returns every row's ids in order (row i holds i * width, ..., i * width + width - 1)."""
+    import pyarrow as pa
+
+    ids = np.arange(sum(chunks) * width, dtype=np.int32).reshape(-1, width)
+    shards, start = [], 0
+    half = len(chunks) // 2 or 1
+    for shard, sizes in enumerate((chunks[:half], chunks[half:])):
+        if not sizes:
+            continue
+        batches = []
+        for size in sizes:
+            block = ids[start : start + size]
+            column = pa.FixedSizeListArray.from_arrays(pa.array(block.ravel()), width)
+            lengths = pa.array(np.full(size, width, dtype=np.int32))
+            starts = pa.array([[0, int(row[0]) % width] for row in block], pa.list_(pa.int32()))
+            names = ["input_ids", "length", "doc_starts"]
+            batches.append(pa.record_batch([column, lengths, starts], names=names))
+            start += size
+        name = f"train-{shard}.arrow"
+        path = str(root / name)
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, batches[0].schema) as out:
+            for batch in batches:
+                out.write_batch(batch)
+        shards.append({"name": name, "sha256": "-", "rows": sum(sizes)})
+    manifest = {"stage": "examples", "objective": "causal", "splits": {"train": {"shards": shards}}}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return ids
+
+
+@pytest.mark.parametrize("chunks", [[10], [3, 4, 3]], ids=["one chunk", "three chunks"])
+def test_take_returns_the_rows_at_global_indices_in_their_order(
+    tmp_path: Path, chunks: list[int]
+) -> None:
+    from training.pretrain.data import ExampleShards
+
+    ids = _write_examples(tmp_path, chunks)
+    data = ExampleShards(tmp_path, "train", verify=False)
+    wanted = np.array([9, 0, 4, 3, 4, 7])
+    rows = data.take(wanted)
+    np.testing.assert_array_equal(rows["input_ids"], ids[wanted])
+    np.testing.assert_array_equal(rows["length"], np.full(len(wanted), ids.shape[1]))
+    assert rows["doc_starts"] == [[0, int(ids[i, 0]) % ids.shape[1]] for i in wanted]
+    lean = data.take(wanted, doc_starts=False)  # for a builder that does not read them
+    assert sorted(lean) == ["input_ids", "length"]
+    np.testing.assert_array_equal(lean["input_ids"], rows["input_ids"])
+
+
+def test_without_a_spike_check_the_device_decision_still_skips_a_nonfinite_loss() -> None:
+    guard = LossGuard(GuardConfig(on_nonfinite="skip", max_skips=3))  # spike_factor None
+    flags = []
+    for step, loss in enumerate([2.0, float("nan"), 1.5]):
+        guard.observe(torch.tensor(loss))
+        skip, record = guard.decide()
+        flags.append(float(skip))
+        assert guard.replay(step, record.tolist()) is (flags[-1] == 1.0)
+        assert record.tolist()[-2:] == [0.0, 0.0]  # no running mean kept, never armed
+    assert flags == [0.0, 1.0, 0.0]
+    assert (guard.skipped_total, list(guard.history)) == (1, [2.0, 1.5])

@@ -97,6 +97,27 @@ class FastGPT2LMHeadModel(GPT2LMHeadModel):  # type: ignore[no-untyped-call]
             **kwargs,
         )
 
+    def pretraining_logits(
+        self, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
+    ) -> Tensor | None:
+        """The logits `forward` returns for pretraining's call, without calling the module.
+
+        None where `forward` would take the stock path, or where the model has hooks of its
+        own (only a module call fires them): the caller then calls the model. Spares the call's
+        dispatch and the output object, a tenth of a millisecond a step on a small model.
+        """
+        if (
+            self._forward_hooks
+            or self._forward_pre_hooks
+            or self._backward_hooks
+            or self._backward_pre_hooks
+            or input_ids.dim() != 2
+            or not _covered_inputs(attention_mask, position_ids)
+            or not self._fast_path_ready()
+        ):
+            return None
+        return causal_lm_logits(self, input_ids, attention_mask, position_ids)
+
     def _fast_path_ready(self) -> bool:
         """Whether the model's state lets the fast path stand in for the stock forward.
 

@@ -92,6 +92,12 @@ def _causal_forward(
     }
     if router_loss and DOCUMENT_IDS in batch:
         return _experts_on_documents(model, inputs)
+    # A fast class computes them without the module call (training/models/fast/gpt2.py).
+    direct = None if router_loss else getattr(model, "pretraining_logits", None)
+    if direct is not None:
+        logits = direct(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"])
+        if logits is not None:
+            return mask_padded_vocab(logits, model.config), None
     extra = {"output_router_logits": True} if router_loss else {}
     out = model(**inputs, **extra)
     logits = mask_padded_vocab(out.logits, model.config)

@@ -200,6 +200,24 @@ def test_a_block_mask_takes_the_stock_forward(stock_calls: list[str]) -> None:
     assert stock_calls == ["stock"]
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["plain-causal", "documents"])
+def test_the_loss_takes_the_logits_without_the_module_call_and_gets_the_same(
+    documents: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, fast = twins()
+    b = batch() if documents else {schema.INPUT_IDS: batch()[schema.INPUT_IDS]}
+    calls: list[str] = []
+    fast.register_forward_pre_hook(lambda module, args: calls.append("call"))
+    hooked = causal_loss(fast, b).loss  # a hook of its own: the module is called
+    assert calls == ["call"]
+    fast._forward_pre_hooks.clear()
+    direct = causal_loss(fast, b).loss  # none: the fast class's logits, no call
+    assert calls == ["call"]
+    assert torch.equal(direct, hooked)
+    monkeypatch.setattr(FastGPT2LMHeadModel, "pretraining_logits", lambda *a: None)
+    assert torch.equal(causal_loss(fast, b).loss, direct)  # what the call gives
+
+
 def test_packed_sequence_mask_follows_restarting_positions() -> None:
     positions = torch.tensor([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7]])
     mask = packed_sequence_mask(positions, 2)[:, 0]  # (B, T, T)
