@@ -24,7 +24,10 @@ Shapes:
 
 A third arm takes its steps in the same rotation: the nanoGPT-style reference (`Reference`:
 bench/char_reference.py's GPT for GPT-2, bench/nanobert.py's BERT for BERT) at the module's
-shape, on the same batches: issue 39's yardstick for the module itself.
+shape: issue 39's yardstick for the module itself. BERT's trains on the same batches. GPT-2's
+cuts random windows of the examples' text in each step, as nanoGPT's `get_batch` and
+bench/char_reference.py do inside their loops; a fourth arm (`reference_given`, GPT-2 only)
+is the same reference handed the built batches, as this bench measured it until 2026-11-29.
 
 Reported per shape: the median ms per step of each, lmpipe's tokens/s over the plain loop's
 and over the reference's (the inverse ratios of the medians). docs/benchmarks.md, "Step
@@ -134,8 +137,13 @@ class Reference:
     weights by its exact name map, on the same batch. Trained like the plain loop.
     """
 
-    def __init__(self, module: Any, lr: float, clip: float) -> None:
-        """Build the reference of `module`'s family and shape."""
+    def __init__(self, module: Any, lr: float, clip: float, stream: Any = None) -> None:
+        """Build the reference of `module`'s family and shape.
+
+        GPT-2: `stream` (a 1-D tensor of token ids) is the training text its steps cut their
+        random windows from, as nanoGPT's `get_batch` and bench/char_reference.py do inside
+        their timed loop; without one it trains on the batch it is given.
+        """
         import torch
 
         config = module.config
@@ -146,6 +154,7 @@ class Reference:
             self.model = CharGPT(
                 config.vocab_size, config.n_positions, config.n_layer, config.n_head, config.n_embd
             )
+            self.stream = stream
             self.loss = self._next_token_loss
         else:
             from nanobert import nanobert_inputs, nanobert_model, nanobert_state
@@ -158,11 +167,18 @@ class Reference:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=True)
 
     def _next_token_loss(self, batch: dict[str, Any]) -> Any:
+        import torch
         import torch.nn.functional as F
 
         ids = batch["input_ids"]
-        logits = self.model(ids)
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        if self.stream is None:
+            logits = self.model(ids)
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        rows, block = ids.shape  # bench/char_reference.py's batch, from the stream, each step
+        starts = torch.randint(len(self.stream) - block - 1, (rows,)).tolist()
+        x = torch.stack([self.stream[i : i + block] for i in starts])  # (B, T)
+        y = torch.stack([self.stream[i + 1 : i + 1 + block] for i in starts])
+        return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
 
     def step(self, batch: dict[str, Any], autocast: Any) -> None:
         """One optimizer step on `batch`."""
@@ -212,7 +228,15 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     batches = [b for s in range(steps) for b in worker._plan(s + 1, _cursor_at(worker, s)).batches]
     loops: dict[str, Any] = {"plain": plain}
     if worker.engine.module.config.model_type in {"gpt2", "bert"}:
-        loops["reference"] = Reference(worker.engine.module, train.optim.lr, worker.clip)
+        stream = None
+        if worker.engine.module.config.model_type == "gpt2":  # the text its windows come from
+            import numpy as np
+
+            rows = worker.train_data.take(np.arange(len(worker.train_data)), doc_starts=False)
+            stream = torch.from_numpy(rows["input_ids"]).long().flatten()
+        loops["reference"] = Reference(worker.engine.module, train.optim.lr, worker.clip, stream)
+        if stream is not None:  # and as it was measured before: handed the built batches
+            loops["reference_given"] = Reference(worker.engine.module, train.optim.lr, worker.clip)
     times: dict[str, list[float]] = {"lmpipe": [], **{arm: [] for arm in loops}}
     for i in range(steps):
         for arm in list(times) if i % 2 == 0 else reversed(times):
@@ -264,6 +288,8 @@ def run_shape(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     if "reference" in ms:
         result["lmpipe_over_reference_tokens_per_s"] = ms["reference"] / ms["lmpipe"]
+    if "reference_given" in ms:
+        result["lmpipe_over_reference_given_tokens_per_s"] = ms["reference_given"] / ms["lmpipe"]
     return result | {"times": raw["times"]}
 
 
@@ -293,6 +319,12 @@ def main() -> None:
                 f"; reference {r['reference_ms']:.1f} ms: lmpipe's tokens/s "
                 f"{r['lmpipe_over_reference_tokens_per_s']:.3f}x the reference's"
                 if "reference_ms" in r
+                else ""
+            )
+            + (
+                f"; reference handed the built batches {r['reference_given_ms']:.1f} ms: "
+                f"{r['lmpipe_over_reference_given_tokens_per_s']:.3f}x"
+                if "reference_given_ms" in r
                 else ""
             )
         )
