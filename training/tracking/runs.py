@@ -239,8 +239,25 @@ def tracked_run(
         raise
     finally:
         if monitor is not None:
-            monitor.finish()  # flushes its last samples before the run ends
+            _finish_monitor(monitor, run_id)
         MlflowClient(uri).set_terminated(run_id, status)
+
+
+def _finish_monitor(monitor: Any, run_id: str) -> None:
+    """Stop `monitor` and log the sample it took last, before the run ends.
+
+    MLflow's monitor takes a sample, waits an interval, then logs it; stopped during the wait,
+    it drops that sample. So a run shorter than one interval got no system metrics at all, and
+    every run lost its last moments.
+    """
+    monitor.finish()
+    try:
+        last = monitor.aggregate_metrics()
+        if last:
+            monitor.publish_metrics(last)
+            monitor.mlflow_logger.flush()
+    except Exception:  # a metric lost costs the curve its last point, never the run
+        log.warning("the last system-metric sample of run %s was not logged", run_id, exc_info=True)
 
 
 def _open_run(

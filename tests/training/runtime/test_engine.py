@@ -60,6 +60,11 @@ engine = initialize_deepspeed(model, [{{"params": list(model.parameters())}}], c
 print("mlflow after the engine:", "mlflow" in sys.modules)
 import deepspeed.comm.comm as cdb_module
 print("shm op:", cdb_module.cdb.shm_comm_op)
+print("forward hooks:", len(model._forward_pre_hooks) + len(model._forward_hooks))
+timed = torch.nn.Linear(4, 2)
+config = config | {{"wall_clock_breakdown": True}}  # a feature the hooks serve
+initialize_deepspeed(timed, [{{"params": list(timed.parameters())}}], config)
+print("forward hooks with the timers:", len(timed._forward_pre_hooks) + len(timed._forward_hooks))
 dist.destroy_process_group()
 import mlflow  # still importable: rank 0's tracker imports it when it is made
 print("mlflow then:", mlflow.__name__)
@@ -120,3 +125,11 @@ def test_deepspeed_on_cpu_builds_no_shm_op(fresh_worker: tuple[str, Path]) -> No
     assert "shm op: None" in out
     assert "deepspeed_shm_comm" not in out
     assert not (extensions / "deepspeed_shm_comm").exists()
+
+
+def test_deepspeeds_forward_hooks_go_where_every_feature_they_serve_is_off(
+    fresh_worker: tuple[str, Path],
+) -> None:
+    out, _ = fresh_worker
+    assert "forward hooks: 0" in out  # the loops call the module: its hooks would be no-ops
+    assert "forward hooks with the timers: 2" in out  # the prologue and the epilogue stay

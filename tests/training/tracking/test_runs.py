@@ -112,6 +112,19 @@ def test_system_metrics_are_sampled_into_a_training_run(
     assert "system/system_memory_usage_megabytes" in metrics
 
 
+def test_a_run_shorter_than_one_interval_still_gets_its_sample(
+    mlflow_uri: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """MLflow's monitor logs a sample only after an interval; the last one is logged at the end."""
+    cfg = tracking(mlflow_uri, request, system_metrics_interval_s=30.0)
+    started = time.monotonic()
+    with tracked_run(cfg, tmp_path, "r", {}, system_metrics=True):
+        pass
+    assert time.monotonic() - started < 20  # the end does not wait for the interval
+    metrics = only_run(mlflow_uri, cfg).data.metrics
+    assert "system/cpu_utilization_percentage" in metrics
+
+
 def test_a_training_run_without_psutil_runs_without_system_metrics(
     mlflow_uri: str,
     request: pytest.FixtureRequest,
