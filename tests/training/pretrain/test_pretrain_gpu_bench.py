@@ -198,8 +198,9 @@ def in_process(bench: Any) -> Any:
 
 
 def test_prepare_tiny_then_quality_mode_times_every_arm_to_the_references_loss(
-    bench: Any, ray_session: str, single_process_dist: None, tmp_path: Path
+    bench: Any, shared_data: Path, ray_session: str, single_process_dist: None, tmp_path: Path
 ) -> None:
+    # `prepare` reads the Gutenberg books of ../shared/data: `shared_data` skips without them.
     data = tmp_path / "prepared"
     prepared = bench.prepare(data, tmp_path / "prepare-work", wheels=False, tiny=True)
     assert prepared["tiny"]
