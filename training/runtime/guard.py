@@ -109,8 +109,8 @@ class LossGuard:
         record holds, per micro-batch, the loss (mean over ranks) and a non-finite flag, then
         the running mean used and whether the spike check was armed.
         """
-        # A few dozen operations on a handful of numbers, every step: each one counts on a
-        # small model (their number is what makes the guard's cost), so none is spared.
+        # A handful of numbers every step: on a small model the guard's cost is the number of
+        # its operations (each far dearer than its arithmetic), so it makes as few as it can.
         losses = torch.stack(self._losses) if len(self._losses) > 1 else self._losses[0][None]
         self._losses = []
         values, nonfinite = _rank_mean(losses)  # (M,) float64, (M,) bool
