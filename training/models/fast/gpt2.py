@@ -104,7 +104,8 @@ class FastGPT2LMHeadModel(GPT2LMHeadModel):  # type: ignore[no-untyped-call]
 
         None where `forward` would take the stock path, or where the model has hooks of its
         own (only a module call fires them): the caller then calls the model. Spares the call's
-        dispatch and the output object, a tenth of a millisecond a step on a small model.
+        dispatch, its checks and the output object: 0.18 ms of a 32 ms forward and backward at
+        nanoGPT's shape on a 2-core CPU (interleaved with the module call, medians of 490).
         """
         if (
             self._forward_hooks
