@@ -41,6 +41,7 @@ from training.runtime import checkpoint as ckpt
 from training.runtime import faults
 from training.runtime.engine import autocast_for
 from training.runtime.hooks import Hooks
+from training.runtime.update import FusedUpdate
 from training.runtime.worker_context import LoopEntry, WorkerContext, worker_threads
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,9 @@ class Worker:
         # What the loop clips, listed once: `Module.parameters()` walks the module tree, a
         # measurable cost at every step of a small model.
         self.trainable = [p for p in self.engine.module.parameters() if p.requires_grad]
+        # The direct step's update (training/runtime/update.py): the stock calls' kernels
+        # without their per-call Python.
+        self.update = FusedUpdate(self.optimizer, self.trainable, self.clip)
 
     def _forward(self, batch: dict[str, torch.Tensor], sparse_mlm: bool) -> StepOutput:
         """The model's forward pass and loss on one micro-batch (what `compile` compiles)."""
@@ -230,13 +234,12 @@ class Worker:
         skip, guard_record = self.guard.decide()
         self.optimizer.found_inf = skip
         grad_norm = None
-        if self.clip > 0:  # where the engine does not clip (ZeRO 0): torch's foreach kernels
-            params = [p for p in self.trainable if p.grad is not None]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True)
-        if self.direct:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        if self.direct:  # clip, fused AdamW, zero the gradients: one call
+            grad_norm = self.update()
         else:  # the engine clips (ZeRO), then steps the same fused AdamW
+            if self.clip > 0:  # ZeRO 0 on several ranks: the engine does not clip
+                params = [p for p in self.trainable if p.grad is not None]
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True)
             self.engine.step()
         self.schedule.step()  # the next step's learning rates
         self.cursor, self.step = plan.after, self.step + 1
