@@ -107,17 +107,24 @@ class LossGuard:
 
         Call once per step, after every micro-batch was observed and before the update. The
         record holds, per micro-batch, the loss (mean over ranks) and a non-finite flag, then
-        the running mean used and whether the spike check was armed.
+        the running mean used and whether the spike check was armed; on one rank without a
+        spike check, only the micro-batches' losses.
         """
         # A handful of numbers every step: on a small model the guard's cost is the number of
         # its operations (each far dearer than its arithmetic), so it makes as few as it can.
         losses = torch.stack(self._losses) if len(self._losses) > 1 else self._losses[0][None]
         self._losses = []
+        factor = self.cfg.spike_factor
+        if factor is None and _alone():
+            # One rank and no spike check (the default): nothing to average or keep. The record
+            # is the losses as they are (`replay` reads their finiteness on the host), the flag
+            # two operations.
+            finite = torch.isfinite(losses).all() if len(losses) > 1 else torch.isfinite(losses[0])
+            return torch.where(finite, 0.0, 1.0), losses
         values, nonfinite = _rank_mean(losses)  # (M,) float64, (M,) bool
         state = self._state_on(values.device)
         bad = nonfinite.any()
-        factor = self.cfg.spike_factor
-        if factor is None:  # no spike check (the default): no running mean to keep, unarmed
+        if factor is None:  # no spike check: no running mean to keep, unarmed
             return bad.float(), torch.cat([values, nonfinite.double(), state.unarmed])
         mean, armed = state.mean()
         bad = bad | ((values > factor * mean).any() & armed)
@@ -141,12 +148,16 @@ class LossGuard:
 
         Raises `TrainingDivergedError` with `check`'s messages where the policy is to stop.
         """
-        micro = (len(record) - 2) // 2
-        values, nonfinite = record[:micro], record[micro : 2 * micro]
-        mean = record[-2] if record[-1] > 0 else None
+        if self.cfg.spike_factor is None and _alone():  # `decide`'s record: the losses alone
+            values, nonfinite, mean = record, [not math.isfinite(v) for v in record], None
+        else:
+            micro = (len(record) - 2) // 2
+            values = record[:micro]
+            nonfinite = [flag > 0 for flag in record[micro : 2 * micro]]
+            mean = record[-2] if record[-1] > 0 else None
         skip = False
         for value, flag in zip(values, nonfinite, strict=True):
-            skip = self.judge(value, flag > 0, step, mean) == "skip" or skip
+            skip = self.judge(value, flag, step, mean) == "skip" or skip
         self.step_done(skip)
         return skip
 
@@ -168,6 +179,11 @@ class LossGuard:
         self._device = None  # rebuilt from the restored history at the next decision
 
 
+def _alone() -> bool:
+    """Whether this process is the only rank (no process group, or a group of one)."""
+    return not dist.is_initialized() or dist.get_world_size() == 1
+
+
 def _rank_mean(losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M,) float64 and (M,) bool: the mean over ranks and whether any rank's was non-finite.
 
@@ -178,7 +194,7 @@ def _rank_mean(losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = losses.double()
     finite = torch.isfinite(values)
     values = torch.where(finite, values, 0.0)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if not _alone():
         probe = torch.stack([values, (~finite).double()])
         dist.all_reduce(probe)
         return probe[0] / dist.get_world_size(), probe[1] > 0

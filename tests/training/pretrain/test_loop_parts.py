@@ -381,6 +381,7 @@ def test_without_a_spike_check_the_device_decision_still_skips_a_nonfinite_loss(
         skip, record = guard.decide()
         flags.append(float(skip))
         assert guard.replay(step, record.tolist()) is (flags[-1] == 1.0)
-        assert record.tolist()[-2:] == [0.0, 0.0]  # no running mean kept, never armed
+        # No running mean kept, never armed: on one rank the record is the step's loss alone
+        np.testing.assert_array_equal(record.numpy(), [loss])
     assert flags == [0.0, 1.0, 0.0]
     assert (guard.skipped_total, list(guard.history)) == (1, [2.0, 1.5])
