@@ -290,6 +290,35 @@ def test_each_fallback_takes_the_stock_forward_with_the_same_results(
     assert stock_calls == ["stock"]
 
 
+def test_a_hook_registered_after_a_fast_forward_takes_the_stock_forward_again(
+    stock_calls: list[str],
+) -> None:
+    stock, fast = twins()
+    lm_call()(fast, batch())  # the fast path: it remembers that its walk found no hook
+    assert stock_calls == []
+    for model in (stock, fast):
+        model.transformer.h[1].attn.c_proj.register_forward_hook(lambda m, a, out: out * 2)
+    assert_same_outputs_and_grads(stock, fast, lm_call())
+    assert stock_calls == ["stock"]
+
+
+def test_a_hooked_module_set_after_a_fast_forward_takes_the_stock_forward_again(
+    stock_calls: list[str],
+) -> None:
+    stock, fast = twins()
+    hooked = {}
+    for model in (stock, fast):  # hooked before the fast path's walk, set into the model after
+        norm = copy.deepcopy(model.transformer.h[0].ln_2)
+        norm.register_forward_hook(lambda m, a, out: out + 1)
+        hooked[id(model)] = norm
+    lm_call()(fast, batch())
+    assert stock_calls == []
+    for model in (stock, fast):
+        model.transformer.h[0].ln_2 = hooked[id(model)]
+    assert_same_outputs_and_grads(stock, fast, lm_call())
+    assert stock_calls == ["stock"]
+
+
 def test_generation_takes_the_stock_path_and_the_same_tokens() -> None:
     stock, fast = twins()
     ids = batch()[schema.INPUT_IDS][:1, :6]
