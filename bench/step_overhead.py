@@ -28,6 +28,9 @@ shape: issue 39's yardstick for the module itself. BERT's trains on the same bat
 cuts random windows of the examples' text in each step, as nanoGPT's `get_batch` and
 bench/char_reference.py do inside their loops; a fourth arm (`reference_given`, GPT-2 only)
 is the same reference handed the built batches, as this bench measured it until 2026-11-29.
+A fifth (`lmpipe_no_bias`, GPT-2 only) is lmpipe's step on the recipe with `model.bias: false`:
+nanoGPT's model itself (bias=False, as the reference), where the recipe keeps GPT-2's biases
+for its time to quality.
 
 Reported per shape: the median ms per step of each, lmpipe's tokens/s over the plain loop's
 and over the reference's (the inverse ratios of the medians). docs/benchmarks.md, "Step
@@ -192,23 +195,18 @@ class Reference:
         self.opt.zero_grad(set_to_none=True)
 
 
-def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """Interleave lmpipe's steps and the plain loop's on one shape; return their step times."""
-    import torch
-
-    from tasks.common.ray_runtime import usable_cores
+def _worker(spec: dict[str, Any], run_dir: Path, model: dict[str, Any] | None = None) -> Any:
+    """Lmpipe's one-rank worker for the spec's shape (its model section updated by `model`)."""
     from training.pretrain.config import TrainConfig
     from training.pretrain.job import WorkerJob
     from training.pretrain.loop import Worker
-    from training.runtime.worker_context import LocalContext, init_single_process
+    from training.runtime.worker_context import LocalContext
 
-    threads = usable_cores()
-    torch.set_num_threads(threads)
-    run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     steps = spec["warmup"] + spec["steps"]
+    section = spec["train"] | {"model": spec["train"]["model"] | (model or {})}
     train = TrainConfig.model_validate(
-        spec["train"]
+        section
         | {
             "max_steps": steps + 1,
             "precision": spec["precision"],
@@ -221,12 +219,28 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     job = WorkerJob(
         train=train, seed=0, examples_dir=examples, tokenizer_dir=tokenizer, config_hash="bench"
     )
+    return Worker(job, LocalContext(run_dir))
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Interleave lmpipe's steps and the plain loop's on one shape; return their step times."""
+    import torch
+
+    from tasks.common.ray_runtime import usable_cores
+    from training.runtime.worker_context import init_single_process
+
+    threads = usable_cores()
+    torch.set_num_threads(threads)
+    run_dir = Path(spec["run_dir"])
+    steps = spec["warmup"] + spec["steps"]
     init_single_process()
-    worker = Worker(job, LocalContext(run_dir))
+    worker = _worker(spec, run_dir)
+    train = worker.cfg
     plain = Plain(stock_copy(worker.engine.module), worker.objective, train.optim.lr, worker.clip)
     # The plain loop's batches: the worker's own plans, built before any step is timed.
     batches = [b for s in range(steps) for b in worker._plan(s + 1, _cursor_at(worker, s)).batches]
     loops: dict[str, Any] = {"plain": plain}
+    workers = {"lmpipe": worker}
     if worker.engine.module.config.model_type in {"gpt2", "bert"}:
         stream = None
         if worker.engine.module.config.model_type == "gpt2":  # the text its windows come from
@@ -234,21 +248,24 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
             rows = worker.train_data.take(np.arange(len(worker.train_data)), doc_starts=False)
             stream = torch.from_numpy(rows["input_ids"]).long().flatten()
+            # nanoGPT's model itself: the recipe's GPT-2 without biases (`model.bias: false`)
+            workers["lmpipe_no_bias"] = _worker(spec, run_dir / "no-bias", {"bias": False})
         loops["reference"] = Reference(worker.engine.module, train.optim.lr, worker.clip, stream)
         if stream is not None:  # and as it was measured before: handed the built batches
             loops["reference_given"] = Reference(worker.engine.module, train.optim.lr, worker.clip)
-    times: dict[str, list[float]] = {"lmpipe": [], **{arm: [] for arm in loops}}
+    times: dict[str, list[float]] = {**{arm: [] for arm in workers}, **{arm: [] for arm in loops}}
     for i in range(steps):
         for arm in list(times) if i % 2 == 0 else reversed(times):
             start = time.perf_counter()
-            if arm == "lmpipe":
-                worker.train_step()
+            if arm in workers:
+                workers[arm].train_step()
             else:
                 loops[arm].step(batches[i], worker.precision)
             if i >= spec["warmup"]:
                 times[arm].append(time.perf_counter() - start)
-    worker.flush()
-    worker.batches.close()
+    for each in workers.values():
+        each.flush()
+        each.batches.close()
     tokens = train.global_batch_size * worker.train_data.width
     return {"threads": threads, "tokens_per_step": tokens, "times": times}
 
@@ -290,6 +307,9 @@ def run_shape(name: str, args: argparse.Namespace) -> dict[str, Any]:
         result["lmpipe_over_reference_tokens_per_s"] = ms["reference"] / ms["lmpipe"]
     if "reference_given" in ms:
         result["lmpipe_over_reference_given_tokens_per_s"] = ms["reference_given"] / ms["lmpipe"]
+    if "lmpipe_no_bias" in ms:
+        no_bias = ms["reference"] / ms["lmpipe_no_bias"]
+        result["lmpipe_no_bias_over_reference_tokens_per_s"] = no_bias
     return result | {"times": raw["times"]}
 
 
@@ -325,6 +345,12 @@ def main() -> None:
                 f"; reference handed the built batches {r['reference_given_ms']:.1f} ms: "
                 f"{r['lmpipe_over_reference_given_tokens_per_s']:.3f}x"
                 if "reference_given_ms" in r
+                else ""
+            )
+            + (
+                f"; lmpipe without biases (nanoGPT's model) {r['lmpipe_no_bias_ms']:.1f} ms: "
+                f"{r['lmpipe_no_bias_over_reference_tokens_per_s']:.3f}x the reference's"
+                if "lmpipe_no_bias_ms" in r
                 else ""
             )
         )
