@@ -138,7 +138,8 @@ def causal_loss(model: tf.PreTrainedModel, batch: Mapping[str, Tensor]) -> StepO
     if mask is not None and mask.dim() == 2:
         labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
     # Shift the labels, not the logits (as transformers' ForCausalLMLoss): no (B, T, V) copy.
-    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # (B, T): token t + 1
+    # Padded after the slice, the targets come out contiguous: flattening them copies nothing.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T): token t + 1
     lm, counts = token_loss(logits.flatten(0, 1), targets.flatten(), "lm", "lm_tokens")
     if aux is None:
         return step_output({"lm": lm}, counts, batch)
