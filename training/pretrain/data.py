@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 _PERMUTATION_SALT = 0x0D_A7A0  # keeps the order's stream apart from other seeded draws
 #: The epoch the validation split is masked with (dynamic masking): fixed, apart from training.
 EVAL_EPOCH = (1 << 62) + 7
+#: A split of several chunks whose columns take at most this many bytes is also held whole.
+WHOLE_BYTES = 64 << 20
 
 
 class DataError(ValueError):
@@ -84,6 +86,13 @@ class ExampleShards:
                 self._add_chunk(chunk)
                 bounds.append(bounds[-1] + chunk.num_rows)
         self.bounds = np.asarray(bounds, dtype=np.int64)  # (chunks + 1,)
+        # A small split is also held whole, one array per column, so a step's rows are one
+        # gather (its chunks' bookkeeping is a dozen NumPy calls a step); a large one is only
+        # memory-mapped. At most `WHOLE_BYTES` of memory, copied once.
+        size = sum(part.nbytes for parts in self.columns.values() for part in parts)
+        self.whole: dict[str, np.ndarray] | None = None
+        if len(bounds) > 2 and size <= WHOLE_BYTES:
+            self.whole = {name: np.concatenate(parts) for name, parts in self.columns.items()}
 
     def _add_chunk(self, chunk: pa.RecordBatch) -> None:
         for name, column in zip(chunk.schema.names, chunk.columns, strict=True):
@@ -111,6 +120,9 @@ class ExampleShards:
         `doc_starts` False leaves the doc-start lists out (a Python object per row: what a
         step's take costs most, for a batch builder that does not read them).
         """
+        want_starts = bool(self.doc_starts) and doc_starts
+        if self.whole is not None and not want_starts:
+            return {name: column[indices] for name, column in self.whole.items()}
         chunk = np.searchsorted(self.bounds, indices, side="right") - 1  # (N,)
         local = indices - self.bounds[chunk]
         out: dict[str, Any] = {}
@@ -125,7 +137,7 @@ class ExampleShards:
                 at = chunk == c
                 rows[at] = parts[c][local[at]]
             out[name] = rows
-        if self.doc_starts and doc_starts:
+        if want_starts:
             out[schema.DOC_STARTS] = [
                 self.doc_starts[c][int(r)].as_py() for c, r in zip(chunk, local, strict=True)
             ]

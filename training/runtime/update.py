@@ -5,7 +5,8 @@ ZeRO 0: `StepParts.direct`). It gives, bit for bit, what
 `clip_grad_norm_(params, clip, foreach=True)`, `optimizer.step()` and
 `optimizer.zero_grad(set_to_none=True)` give: the same kernels (`_foreach_norm`, one stack and
 norm, `_foreach_mul_`, `_fused_adamw_` per group with the optimizer's `found_inf`) on the same
-tensors, in the same order. What it leaves out is the Python around them, which a small model
+tensors, in the same order, and the same step counts (advanced once, by 1 - `found_inf`, where
+the stock step adds 1 and takes `found_inf` off again). What it leaves out is the Python around them, which a small model
 pays at every step: the optimizer's step wrapper (profiler range, hook loops), `_init_group`'s
 walk over every parameter and its state, the grouping of tensors by device and dtype (done
 twice in the clip, once per group in the step), and `zero_grad`'s profiler range. The tensor
@@ -50,6 +51,7 @@ class _Plan:
     state: Any
     param_groups: list[dict[str, Any]]
     groups: list[_Group]
+    steps: list[Tensor]  # every group's step counts, in order
 
 
 class FusedUpdate:
@@ -74,10 +76,13 @@ class FusedUpdate:
         if self.clip > 0:
             norm = _clip(grads, self.clip)  # type: ignore[arg-type]  # checked: none is None
         found_inf = getattr(self.optimizer, "found_inf", None)
+        # The stock step adds 1 to every step count before the kernel and takes `found_inf` off
+        # after it; a skipped update leaves them as they were either way. Adding 1 - found_inf
+        # at once gives the same counts (whole numbers in float32) in one call for all groups.
+        torch._foreach_add_(plan.steps, 1 if found_inf is None else 1 - found_inf)
         for group in plan.groups:
             options = group.options
             beta1, beta2 = options["betas"]
-            torch._foreach_add_(group.steps, 1)
             torch._fused_adamw_(
                 group.params,
                 [p.grad for p in group.params],  # type: ignore[misc]  # checked: none is None
@@ -95,8 +100,6 @@ class FusedUpdate:
                 grad_scale=None,
                 found_inf=found_inf,
             )
-            if found_inf is not None:  # a skipped update leaves the step counts as they were
-                torch._foreach_sub_(group.steps, [found_inf] * len(group.steps))
         for p in self.params:
             p.grad = None
         return norm
@@ -162,7 +165,8 @@ def _build_plan(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> _Plan
                 [s["step"] for s in states],  # type: ignore[index]
             )
         )
-    return _Plan(optimizer.state, optimizer.param_groups, groups)
+    steps = [step for group in groups for step in group.steps]
+    return _Plan(optimizer.state, optimizer.param_groups, groups, steps)
 
 
 def _clip(grads: list[Tensor], clip: float) -> Tensor:

@@ -355,14 +355,19 @@ def _write_examples(root: Path, chunks: list[int], width: int = 4) -> np.ndarray
     return ids
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["held whole", "memory-mapped only"])
 @pytest.mark.parametrize("chunks", [[10], [3, 4, 3]], ids=["one chunk", "three chunks"])
 def test_take_returns_the_rows_at_global_indices_in_their_order(
-    tmp_path: Path, chunks: list[int]
+    tmp_path: Path, chunks: list[int], whole: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from training.pretrain import data as data_module
     from training.pretrain.data import ExampleShards
 
     ids = _write_examples(tmp_path, chunks)
+    if not whole:  # a split over the size a split is held whole at
+        monkeypatch.setattr(data_module, "WHOLE_BYTES", 0)
     data = ExampleShards(tmp_path, "train", verify=False)
+    assert (data.whole is not None) is (whole and len(chunks) > 1)
     wanted = np.array([9, 0, 4, 3, 4, 7])
     rows = data.take(wanted)
     np.testing.assert_array_equal(rows["input_ids"], ids[wanted])
