@@ -6,10 +6,11 @@ ZeRO 0: `StepParts.direct`). It gives, bit for bit, what
 `optimizer.zero_grad(set_to_none=True)` give: the same kernels (`_foreach_norm`, one stack and
 norm, `_foreach_mul_`, `_fused_adamw_` per group with the optimizer's `found_inf`) on the same
 tensors, in the same order, and the same step counts (advanced once, by 1 - `found_inf`, where
-the stock step adds 1 and takes `found_inf` off again). What it leaves out is the Python around them, which a small model
-pays at every step: the optimizer's step wrapper (profiler range, hook loops), `_init_group`'s
-walk over every parameter and its state, the grouping of tensors by device and dtype (done
-twice in the clip, once per group in the step), and `zero_grad`'s profiler range. The tensor
+the stock step adds 1 and takes `found_inf` off again). What it leaves out is the Python
+around them, which a small model pays at every step: the optimizer's step wrapper (profiler
+range, hook loops), `_init_group`'s walk over every parameter and its state, the grouping of
+tensors by device and dtype (done twice in the clip, once per group in the step), and
+`zero_grad`'s profiler range. The tensor
 lists are built once and rebuilt when the optimizer's state or groups are replaced (a loaded
 checkpoint replaces both).
 
