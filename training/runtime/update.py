@@ -5,14 +5,13 @@ ZeRO 0: `StepParts.direct`). It gives, bit for bit, what
 `clip_grad_norm_(params, clip, foreach=True)`, `optimizer.step()` and
 `optimizer.zero_grad(set_to_none=True)` give: the same kernels (`_foreach_norm`, one stack and
 norm, `_foreach_mul_`, `_fused_adamw_` per group with the optimizer's `found_inf`) on the same
-tensors, in the same order, and the same step counts (advanced once, by 1 - `found_inf`, where
-the stock step adds 1 and takes `found_inf` off again). What it leaves out is the Python
-around them, which a small model pays at every step: the optimizer's step wrapper (profiler
-range, hook loops), `_init_group`'s walk over every parameter and its state, the grouping of
-tensors by device and dtype (done twice in the clip, once per group in the step), and
-`zero_grad`'s profiler range. The tensor
-lists are built once and rebuilt when the optimizer's state or groups are replaced (a loaded
-checkpoint replaces both).
+tensors, in the same order, and the same step counts (1 added, `found_inf` taken off, in one
+call each for all groups). What it leaves out is the Python around them, which a small model
+pays at every step: the optimizer's step wrapper (profiler range, hook loops),
+`_init_group`'s walk over every parameter and its state, the grouping of tensors by device
+and dtype (done twice in the clip, once per group in the step), and `zero_grad`'s profiler
+range. The tensor lists are built once and rebuilt when the optimizer's state or groups are
+replaced (a loaded checkpoint replaces both).
 
 Any call it does not cover takes the stock calls: a parameter without a gradient (frozen for
 the step), a state not yet created (the first step creates it), a hook on the optimizer, or an
@@ -77,10 +76,11 @@ class FusedUpdate:
         if self.clip > 0:
             norm = _clip(grads, self.clip)  # type: ignore[arg-type]  # checked: none is None
         found_inf = getattr(self.optimizer, "found_inf", None)
-        # The stock step adds 1 to every step count before the kernel and takes `found_inf` off
-        # after it; a skipped update leaves them as they were either way. Adding 1 - found_inf
-        # at once gives the same counts (whole numbers in float32) in one call for all groups.
-        torch._foreach_add_(plan.steps, 1 if found_inf is None else 1 - found_inf)
+        # As the stock step: 1 added to every step count before the kernels, `found_inf` taken
+        # off after them (a skipped update leaves them as they were), here in one call each for
+        # all groups. Not one add of 1 - found_inf: with a tensor scalar, a CPU foreach add
+        # reads it on the host.
+        torch._foreach_add_(plan.steps, 1)
         for group in plan.groups:
             options = group.options
             beta1, beta2 = options["betas"]
@@ -101,6 +101,8 @@ class FusedUpdate:
                 grad_scale=None,
                 found_inf=found_inf,
             )
+        if found_inf is not None:
+            torch._foreach_sub_(plan.steps, [found_inf] * len(plan.steps))
         for p in self.params:
             p.grad = None
         return norm
