@@ -39,9 +39,8 @@ from training.pretrain.prefetch import Prefetcher, StepPlan
 from training.pretrain.telemetry import StepMeter
 from training.runtime import checkpoint as ckpt
 from training.runtime import faults
-from training.runtime.engine import autocast_for
+from training.runtime.engine import FusedUpdate, autocast_for
 from training.runtime.hooks import Hooks
-from training.runtime.update import FusedUpdate
 from training.runtime.worker_context import LoopEntry, WorkerContext, worker_threads
 
 log = logging.getLogger(__name__)
@@ -81,7 +80,7 @@ class Worker:
         # What the loop clips, listed once: `Module.parameters()` walks the module tree, a
         # measurable cost at every step of a small model.
         self.trainable = [p for p in self.engine.module.parameters() if p.requires_grad]
-        # The direct step's update (training/runtime/update.py): the stock calls' kernels
+        # The direct step's update (training/runtime/engine.py): the stock calls' kernels
         # without their per-call Python.
         self.update = FusedUpdate(self.optimizer, self.trainable, self.clip)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from training.runtime.update import FusedUpdate
+from training.runtime.engine import FusedUpdate
 
 
 def _model() -> nn.Module:
